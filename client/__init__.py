@@ -1,0 +1,1 @@
+"""The remote-loader client."""

@@ -1,0 +1,63 @@
+"""Regenerates the gRPC stubs in this folder from loader.proto.
+
+Run `python -m remote_loader.protos.generate` (needs the `test` extra for grpcio-tools).
+tests/test_protos.py runs the same generation into a temporary folder and fails on any difference.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROTO = "loader.proto"
+OUTPUTS = ("loader_pb2.py", "loader_pb2.pyi", "loader_pb2_grpc.py")
+
+
+def generate(out_dir: Path) -> None:
+    """Writes the stubs for loader.proto into out_dir."""
+    from grpc_tools import protoc  # the test extra; imported here so the package never needs it
+
+    include = str(Path(protoc.__file__).resolve().parent / "_proto")
+    args = [
+        "grpc_tools.protoc",
+        f"-I{HERE}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(HERE / PROTO),
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {HERE / PROTO}")
+    # protoc writes `import loader_pb2`, which only works with this folder on sys.path; the
+    # package's import name is remote_loader.protos (STYLE: no bare *_pb2 imports).
+    grpc_file = out_dir / "loader_pb2_grpc.py"
+    text = grpc_file.read_text()
+    text = re.sub(r"^import loader_pb2 as", "from remote_loader.protos import loader_pb2 as", text,
+                  flags=re.M)
+    grpc_file.write_text(text)
+
+
+def stale_outputs() -> list[str]:
+    """The committed stubs that differ from a fresh generation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp))
+        return [
+            name
+            for name in OUTPUTS
+            if not (HERE / name).exists()
+            or (Path(tmp) / name).read_text() != (HERE / name).read_text()
+        ]
+
+
+def main() -> int:
+    generate(HERE)
+    print(f"generated {', '.join(OUTPUTS)} in {HERE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListLoadersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoadersResponse(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("loader",)
+    LOADER_FIELD_NUMBER: _ClassVar[int]
+    loader: str
+    def __init__(self, loader: _Optional[str] = ...) -> None: ...
+
+class LoaderInfo(_message.Message):
+    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HAS_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_KIND_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DATASET_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    length: int
+    has_length: bool
+    batch_size: int
+    dataset_kind: str
+    options: _containers.ScalarMap[str, str]
+    seed: int
+    fingerprint: str
+    dataset_length: int
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("loader", "epoch", "seed")
+    LOADER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    loader: str
+    epoch: int
+    seed: int
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class RemoteError(_message.Message):
+    __slots__ = ("where", "type", "message", "traceback")
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    where: str
+    type: str
+    message: str
+    traceback: str
+    def __init__(self, where: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    def __init__(self, batches: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "data")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    part: int
+    parts: int
+    total_bytes: int
+    header_bytes: int
+    error: RemoteError
+    end: StreamEnd
+    data: bytes
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    NDARRAY_FIELD_NUMBER: _ClassVar[int]
+    INT_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_FIELD_NUMBER: _ClassVar[int]
+    BOOL_FIELD_NUMBER: _ClassVar[int]
+    STR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
+    tensor: Tensor
+    ndarray: Tensor
+    int: int
+    float: float
+    bool: bool
+    str: str
+    bytes: Tensor
+    none: bool
+    list: Sequence
+    tuple: Sequence
+    dict: Mapping
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., ndarray: _Optional[_Union[Tensor, _Mapping]] = ..., int: _Optional[int] = ..., float: _Optional[float] = ..., bool: _Optional[bool] = ..., str: _Optional[str] = ..., bytes: _Optional[_Union[Tensor, _Mapping]] = ..., none: _Optional[bool] = ..., list: _Optional[_Union[Sequence, _Mapping]] = ..., tuple: _Optional[_Union[Sequence, _Mapping]] = ..., dict: _Optional[_Union[Mapping, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "offset", "nbytes")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, items: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class Mapping(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[Node]
+    values: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, keys: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
