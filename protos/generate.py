@@ -36,8 +36,9 @@ def generate(out_dir: Path) -> None:
     # package's import name is remote_loader.protos (STYLE: no bare *_pb2 imports).
     grpc_file = out_dir / "loader_pb2_grpc.py"
     text = grpc_file.read_text()
-    text = re.sub(r"^import loader_pb2 as", "from remote_loader.protos import loader_pb2 as", text,
-                  flags=re.M)
+    text = re.sub(
+        r"^import loader_pb2 as", "from remote_loader.protos import loader_pb2 as", text, flags=re.M
+    )
     grpc_file.write_text(text)
 
 

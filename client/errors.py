@@ -1,0 +1,83 @@
+"""The exceptions a RemoteLoader raises, and the one place gRPC errors become them.
+
+RemoteLoaderError
+├── LoaderNotFoundError    the server has no such loader, or several and none was named
+├── RequestError           the server refused a request's values (INVALID_ARGUMENT, ...)
+├── DatasetError           a batch failed on the server; carries the remote traceback
+├── ConnectionLostError    the server cannot be reached, or the stream broke (UNAVAILABLE)
+├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError)
+├── ProtocolError          the server sent frames this client cannot read
+└── ServerError            any other failure reported by the server (INTERNAL, ...)
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RemoteLoaderError(Exception):
+    """Base class of every error a RemoteLoader raises."""
+
+
+class LoaderNotFoundError(RemoteLoaderError):
+    """The server has no loader of that name, or hosts several and none was named."""
+
+
+class RequestError(RemoteLoaderError):
+    """The server refused the request's values (an epoch, seed or option it cannot serve)."""
+
+
+class DatasetError(RemoteLoaderError):
+    """The dataset, sampler or collate_fn raised on the server while making one batch.
+
+    Raised at the batch's position in the epoch; the stream goes on after it, so catching it
+    and calling `next()` again yields the following batch (as with torch's DataLoader).
+    """
+
+    def __init__(
+        self, position: int, where: str, remote_type: str, message: str, remote_traceback: str
+    ) -> None:
+        self.position = position
+        self.where = where
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            f"{remote_type} at batch {position} {where}.\nOriginal {remote_traceback.rstrip()}"
+        )
+
+
+class ConnectionLostError(RemoteLoaderError):
+    """The server could not be reached, or a stream from it broke off."""
+
+
+class LoaderTimeoutError(RemoteLoaderError, TimeoutError):
+    """No batch arrived within the RemoteLoader's `timeout`."""
+
+
+class ProtocolError(RemoteLoaderError):
+    """The server sent frames this client cannot read (a bug, or mismatched versions)."""
+
+
+class ServerError(RemoteLoaderError):
+    """The server reported a failure that is not the dataset's (status INTERNAL, UNKNOWN, ...)."""
+
+
+def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
+    """The RemoteLoaderError for a failed gRPC call; `what` says what was being done."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    message = f"{what}: {details}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LoaderNotFoundError(message)
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    ):
+        return RequestError(message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return ConnectionLostError(message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ConnectionLostError(f"{what}: no answer from the server in time ({details})")
+    return ServerError(f"{message} (status {code.name if code else 'unknown'})")

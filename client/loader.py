@@ -1,0 +1,287 @@
+"""RemoteLoader: a drop-in for torch's DataLoader whose batches are made by a remote server."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import grpc
+import torch
+
+from remote_loader.client.errors import (
+    ConnectionLostError,
+    LoaderNotFoundError,
+    LoaderTimeoutError,
+    RemoteLoaderError,
+    map_rpc_error,
+)
+from remote_loader.client.receiver import POLL_INTERVAL, Failed, Finished, Item, Ready, Receiver
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+
+DEFAULT_PREFETCH = 2
+DEFAULT_CONNECT_TIMEOUT = 10.0
+
+
+class RemoteLoader:
+    """Iterates a loader hosted by a remote-loader server, like a `torch.utils.data.DataLoader`.
+
+    Args:
+        address: the server, "host:port".
+        loader: which of the server's loaders; None picks its only one.
+        seed: overrides the loader's seed; an epoch's batches depend only on (spec, seed, epoch).
+        device: where batches' tensors go; default the current CUDA device if there is one,
+            else the CPU. numpy arrays, strings and numbers stay on the host.
+        pin_memory: receive into pinned host memory before the copy to a CUDA device (no effect
+            without CUDA).
+        prefetch: decoded batches held ready ahead of the training loop (the receive queue's
+            bound; with CUDA, at most this many + 2 pinned batches exist at once).
+        timeout: seconds to wait for one batch before LoaderTimeoutError; None waits as long as
+            the stream is alive.
+        connect_timeout: seconds to wait for the server when connecting.
+
+    Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        loader: str | None = None,
+        *,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        pin_memory: bool = True,
+        prefetch: int = DEFAULT_PREFETCH,
+        timeout: float | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    ) -> None:
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if seed is not None and not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        self.address = address
+        self.seed = seed
+        self.device = _resolve_device(device)
+        self.pin_memory = bool(pin_memory) and self.device.type == "cuda"
+        self.prefetch = prefetch
+        self.timeout = timeout
+        self._epoch = 0
+        self._iterator: _EpochIterator | None = None
+        self._closed = False
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
+            ],
+        )
+        try:
+            self._describe = self._channel.unary_unary(
+                f"/{wire.SERVICE_NAME}/Describe",
+                request_serializer=pb.DescribeRequest.SerializeToString,
+                response_deserializer=pb.LoaderInfo.FromString,
+            )
+            self._list = self._channel.unary_unary(
+                f"/{wire.SERVICE_NAME}/ListLoaders",
+                request_serializer=pb.ListLoadersRequest.SerializeToString,
+                response_deserializer=pb.ListLoadersResponse.FromString,
+            )
+            # Raw bytes out: Frames are parsed by the receiver without copying their data.
+            self._stream = self._channel.unary_stream(
+                wire.STREAM_METHOD, request_serializer=pb.StreamRequest.SerializeToString
+            )
+            self.name = loader if loader is not None else self._only_loader(connect_timeout)
+            self.info: pb.LoaderInfo = self._call(
+                self._describe,
+                pb.DescribeRequest(loader=self.name),
+                "describing the loader",
+                connect_timeout,
+            )
+        except BaseException:
+            self._channel.close()
+            raise
+
+    # --- connection ---------------------------------------------------------------------
+
+    def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
+        try:
+            return method(request, timeout=deadline, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ConnectionLostError(
+                    f"{what}: no answer from {self.address} within {deadline:g} s; "
+                    "is the server running and the address right?"
+                ) from exc
+            raise map_rpc_error(exc, f"{what} at {self.address}") from exc
+
+    def _only_loader(self, deadline: float) -> str:
+        names = list(
+            self._call(self._list, pb.ListLoadersRequest(), "listing loaders", deadline).names
+        )
+        if len(names) != 1:
+            raise LoaderNotFoundError(
+                f"the server at {self.address} hosts {len(names)} loaders "
+                f"({', '.join(names) or 'none'}); pass loader=NAME to pick one"
+            )
+        return names[0]
+
+    # --- DataLoader surface --------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int | None:
+        """The loader's batch size; None without automatic batching or with a batch_sampler."""
+        return self.info.batch_size if self.info.HasField("batch_size") else None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next `iter()` streams."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the next `iter()` stream this epoch (later ones follow from it)."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        if not self.info.has_length:
+            raise TypeError(
+                f"loader {self.name!r} has no len(): its dataset is an "
+                "IterableDataset without __len__"
+            )
+        return int(self.info.length)
+
+    def __iter__(self) -> _EpochIterator:
+        if self._closed:
+            raise RuntimeError("this RemoteLoader is closed")
+        if self._iterator is not None:
+            self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
+        request = pb.StreamRequest(loader=self.name, epoch=self._epoch)
+        if self.seed is not None:
+            request.seed = self.seed
+        self._iterator = _EpochIterator(self, request)
+        self._epoch += 1
+        return self._iterator
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops any running stream and closes the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+        self._channel.close()
+
+    def __enter__(self) -> RemoteLoader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<RemoteLoader {self.name!r} at {self.address} epoch={self._epoch} {state}>"
+
+
+class _EpochIterator(Iterator[Any]):
+    """One epoch's stream: a receiver thread and the bounded queue it fills."""
+
+    def __init__(self, owner: RemoteLoader, request: pb.StreamRequest) -> None:
+        self._owner = owner
+        self.epoch = request.epoch
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=owner.prefetch)
+        self._done = False
+        what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
+        call = owner._stream(request, wait_for_ready=True)
+        self._receiver = Receiver(
+            call, self._queue, device=owner.device, pin=owner.pin_memory, what=what
+        )
+        self._receiver.start()
+        self.batches = 0  # yielded so far
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        item = self._get()
+        if isinstance(item, Finished):
+            self._done = True
+            self._receiver.join()
+            raise StopIteration
+        if isinstance(item, Failed):
+            if item.final:
+                self._done = True
+                self._receiver.join()
+            raise item.error
+        self.batches += 1
+        return _on_device(item)
+
+    def _get(self) -> Item:
+        """The next item, waiting at most the loader's timeout, never on a dead receiver."""
+        deadline = None if self._owner.timeout is None else time.monotonic() + self._owner.timeout
+        while True:
+            try:
+                return self._queue.get(timeout=POLL_INTERVAL)
+            except queue.Empty:
+                if not self._receiver.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise ConnectionLostError(
+                        "the receiver thread ended without a result (the stream was stopped)"
+                    ) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LoaderTimeoutError(
+                        f"RemoteLoader timed out after {self._owner.timeout} seconds waiting "
+                        f"for batch {self.batches} of epoch {self.epoch}"
+                    ) from None
+
+    def close(self) -> None:
+        """Cancels the stream; the server stops producing for it."""
+        self._done = True
+        self._receiver.stop()
+        self._receiver.join(timeout=5.0)
+
+    def __del__(self) -> None:
+        # Backstop only: close() / RemoteLoader.close() are the cleanup path.
+        if not self._done:
+            self._receiver.stop()
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RemoteLoaderError(f"device {device!r} was asked for, but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    elif resolved.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
+    return resolved
+
+
+def _on_device(item: Ready) -> Any:
+    """Makes the training loop's stream wait for the batch's copy, and keeps memory safe."""
+    if item.event is not None and item.device_payload is not None:
+        stream = torch.cuda.current_stream(item.device_payload.device)
+        stream.wait_event(item.event)
+        # The payload was allocated on the copy stream and is used on this one: tell the caching
+        # allocator, or it could hand the memory to the next copy while kernels still read it.
+        item.device_payload.record_stream(stream)
+    return item.batch

@@ -1,0 +1,222 @@
+"""The receiver stage: a thread that turns one stream's Frames into ready batches.
+
+It copies each batch once, from the gRPC message into (pinned) host memory, starts the copy to
+the device on a side CUDA stream, and queues the batch for `RemoteLoader.__next__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from remote_loader.client.errors import (
+    ConnectionLostError,
+    DatasetError,
+    ProtocolError,
+    RemoteLoaderError,
+    map_rpc_error,
+)
+from remote_loader.protos import codec, wire
+
+# How often a blocked put or get wakes up to check whether the other side is still there.
+POLL_INTERVAL = 0.1
+
+
+@dataclasses.dataclass
+class Ready:
+    """A decoded batch; on CUDA, `event` marks the end of its copy to the device."""
+
+    batch: Any
+    device_payload: torch.Tensor | None = None
+    event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
+
+
+@dataclasses.dataclass
+class Failed:
+    """An error to raise at this point of the stream; `final` ends the stream."""
+
+    error: RemoteLoaderError
+    final: bool
+
+
+@dataclasses.dataclass
+class Finished:
+    """The stream ended normally after `batches` batches."""
+
+    batches: int
+
+
+Item = Ready | Failed | Finished
+
+
+class _Assembly:
+    """One batch being put together from its Frames."""
+
+    def __init__(self, meta: Any, pin: bool) -> None:
+        self.batch = meta.batch
+        self.parts = meta.parts
+        self.next_part = 0
+        self.total = meta.total_bytes
+        self.header_nbytes = meta.header_bytes
+        self.payload_start = codec.payload_offset(self.header_nbytes)
+        if (
+            meta.parts < 1
+            or self.header_nbytes > self.total
+            or self.payload_start > max(self.total, self.header_nbytes)
+        ):
+            raise ProtocolError(f"batch {meta.batch}: inconsistent frame sizes")
+        self.header = bytearray(self.header_nbytes)
+        self.payload = torch.empty(
+            self.total - self.payload_start, dtype=torch.uint8, pin_memory=pin
+        )
+        self._payload_np = self.payload.numpy()
+        self.received = 0
+
+    def add(self, meta: Any, data: memoryview) -> bool:
+        """Copies one frame's data into place; True when the batch is complete."""
+        if meta.batch != self.batch or meta.part != self.next_part:
+            raise ProtocolError(
+                f"expected part {self.next_part} of batch {self.batch}, "
+                f"got part {meta.part} of batch {meta.batch}"
+            )
+        start, end = self.received, self.received + len(data)
+        if end > self.total:
+            raise ProtocolError(f"batch {self.batch}: more data than its {self.total} bytes")
+        if start < self.header_nbytes:
+            n = min(end, self.header_nbytes) - start
+            self.header[start : start + n] = data[:n]
+        lo = max(start, self.payload_start)
+        if end > lo:
+            self._payload_np[lo - self.payload_start : end - self.payload_start] = np.frombuffer(
+                data[lo - start :], dtype=np.uint8
+            )
+        self.received = end
+        self.next_part += 1
+        if self.next_part == self.parts:
+            if self.received != self.total:
+                raise ProtocolError(
+                    f"batch {self.batch}: {self.received} of {self.total} bytes arrived"
+                )
+            return True
+        return False
+
+
+class Receiver(threading.Thread):
+    """Reads `call` (a Stream call's raw Frames) into `out_q`, a queue of `Item`s.
+
+    Queue protocol: one Ready or Failed(final=False) per batch, in stream order, then exactly one
+    Finished or Failed(final=True), unless `stop()` was called. `out_q` is bounded by the
+    caller (its maxsize is the prefetch depth); puts wait for room, checking `stop()`.
+    """
+
+    def __init__(
+        self, call: Any, out_q: queue.Queue[Item], *, device: torch.device, pin: bool, what: str
+    ) -> None:
+        super().__init__(name="remote-loader-receiver", daemon=True)
+        self._call = call
+        self._out_q = out_q
+        self._device = device
+        self._pin = pin
+        self._what = what
+        self._stopped = threading.Event()
+        self._copy_stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def stop(self) -> None:
+        """Cancels the stream (the server stops producing) and ends the thread."""
+        self._stopped.set()
+        self._call.cancel()
+
+    def _put(self, item: Item) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._out_q.put(item, timeout=POLL_INTERVAL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run(self) -> None:
+        try:
+            final = self._receive(iter(self._call))
+        except grpc.RpcError as exc:
+            if self._stopped.is_set():
+                return
+            final = Failed(map_rpc_error(exc, self._what), final=True)
+        except RemoteLoaderError as exc:
+            self._call.cancel()
+            final = Failed(exc, final=True)
+        except BaseException as exc:  # a bug here must reach the training loop, not vanish
+            self._call.cancel()
+            error = ProtocolError(f"{self._what}: receiving failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            final = Failed(error, final=True)
+        self._put(final)
+
+    def _receive(self, frames: Iterator[bytes]) -> Item:
+        expected = 0
+        assembly: _Assembly | None = None
+        finished: Finished | None = None
+        for message in frames:
+            try:
+                meta, data = wire.parse_frame(message)
+            except wire.FrameError as exc:
+                raise ProtocolError(f"{self._what}: {exc}") from exc
+            if finished is not None:
+                raise ProtocolError(f"{self._what}: a frame arrived after the end of the stream")
+            if assembly is None:
+                if meta.HasField("end"):
+                    if meta.end.batches != expected:
+                        raise ProtocolError(
+                            f"{self._what}: the server says it sent "
+                            f"{meta.end.batches} batches, {expected} arrived"
+                        )
+                    # Keep reading until the call completes with its status, so closing the
+                    # loader afterwards does not cancel a stream that has in fact succeeded.
+                    finished = Finished(expected)
+                    continue
+                if meta.batch != expected:
+                    raise ProtocolError(
+                        f"{self._what}: expected batch {expected}, got batch {meta.batch}"
+                    )
+                if meta.HasField("error"):
+                    e = meta.error
+                    error = DatasetError(meta.batch, e.where, e.type, e.message, e.traceback)
+                    expected += 1
+                    if not self._put(Failed(error, final=False)):
+                        return Finished(expected)
+                    continue
+                assembly = _Assembly(meta, self._pin)
+            if not assembly.add(meta, data):
+                continue
+            ready = self._decode(assembly)
+            assembly = None
+            expected += 1
+            if not self._put(ready):
+                return Finished(expected)
+        if finished is not None or self._stopped.is_set():
+            return finished or Finished(expected)
+        raise ConnectionLostError(
+            f"{self._what}: the stream ended after {expected} batches "
+            "without the server's end-of-stream frame"
+        )
+
+    def _decode(self, assembly: _Assembly) -> Ready:
+        header = memoryview(assembly.header)
+        try:
+            if self._copy_stream is None:
+                return Ready(codec.decode(header, assembly.payload))
+            with torch.cuda.stream(self._copy_stream):
+                device_payload = assembly.payload.to(self._device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            batch = codec.decode(header, assembly.payload, device_payload)
+            return Ready(batch, device_payload=device_payload, event=event)
+        except codec.DecodeError as exc:
+            raise ProtocolError(f"{self._what}: batch {assembly.batch}: {exc}") from exc

@@ -1,0 +1,235 @@
+"""The `remote-loader` command: `serve` hosts loaders, `demo` runs a server and two trainers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from remote_loader.protos import wire
+from remote_loader.server.spec import (
+    ConfigError,
+    LoaderSpec,
+    add_spec_arguments,
+    load_config,
+    spec_from_args,
+)
+
+DEFAULT_ADDRESS = "0.0.0.0:50051"
+DEMO_DATASET = "remote_loader.server.datasets:ImageFolder"
+
+
+def demo_spec(batch_size: int = 32, num_workers: int = 2) -> LoaderSpec:
+    """The loader `serve` hosts without a config: the built-in image folder, shuffled."""
+    return LoaderSpec(
+        name="demo",
+        dataset=DEMO_DATASET,
+        dataset_kwargs={"return_index": True},
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remote-loader", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="host loaders over gRPC",
+        description="Host the loaders of a config file, or one loader given "
+        "by flags, or (with neither) the built-in demo image folder.",
+    )
+    serve.add_argument("--config", help="TOML file with [loaders.NAME] tables")
+    serve.add_argument(
+        "--address",
+        default=DEFAULT_ADDRESS,
+        help="HOST:PORT to listen on; port 0 picks a free one (default %(default)s)",
+    )
+    serve.add_argument(
+        "--chunk-size",
+        type=int,
+        default=wire.DEFAULT_CHUNK_SIZE,
+        help="largest frame payload in bytes (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-streams",
+        type=int,
+        default=32,
+        help="streams served at once; more are refused (default %(default)s)",
+    )
+    serve.add_argument("--log-level", default="INFO")
+    add_spec_arguments(serve)
+
+    demo = sub.add_parser("demo", help="run a server and two trainers on the demo images")
+    demo.add_argument("--trainers", type=int, default=2)
+    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--num-workers", type=int, default=2)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from remote_loader.server.service import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.config:
+            if args.dataset:
+                raise ConfigError("pass either --config or --dataset, not both")
+            specs = load_config(args.config)
+        elif args.dataset:
+            spec = spec_from_args(args)
+            specs = {spec.name: spec}
+        else:
+            spec = demo_spec()
+            specs = {spec.name: spec}
+        return serve(specs, args.address, max_streams=args.max_streams, chunk_size=args.chunk_size)
+    except (ConfigError, OSError) as exc:
+        print(f"remote-loader: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as exc:  # an option torch rejects, with torch's message
+        print(f"remote-loader: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+# --- demo -------------------------------------------------------------------------------------
+
+
+def _start_server(batch_size: int, num_workers: int) -> tuple[subprocess.Popen[str], int]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "remote_loader.server.cli",
+        "serve",
+        "--address",
+        "127.0.0.1:0",
+        "--log-level",
+        "WARNING",
+        "--dataset",
+        DEMO_DATASET,
+        "--name",
+        "demo",
+        "--dataset-kwargs",
+        json.dumps({"return_index": True}),
+        "--batch-size",
+        str(batch_size),
+        "--shuffle",
+        "--num-workers",
+        str(num_workers),
+    ]
+    if num_workers > 0:
+        cmd.append("--persistent-workers")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "remote-loader: serving demo on port N"
+    if not line.strip().split(" ")[-1].isdigit():
+        proc.kill()
+        raise RuntimeError(f"the demo server did not start (exit code {proc.wait()})")
+    return proc, int(line.split()[-1])
+
+
+def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> int:
+    """Starts a server and `trainers` trainer processes, shows their progress, checks the data."""
+    from tqdm import tqdm
+
+    from remote_loader.server.datasets import demo_folder
+
+    print(f"remote-loader demo: images in {demo_folder()}", flush=True)
+    started = time.monotonic()
+    server, port = _start_server(batch_size, num_workers)
+    reports: dict[int, dict[str, Any]] = {}
+    try:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "remote_loader.client.demo",
+                    "--address",
+                    f"127.0.0.1:{port}",
+                    "--rank",
+                    str(rank),
+                    "--epochs",
+                    str(epochs),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(trainers)
+        ]
+        bars = [
+            tqdm(desc=f"trainer {rank}", unit="batch", position=rank, leave=True)
+            for rank in range(trainers)
+        ]
+        lock = threading.Lock()
+
+        def follow(rank: int, proc: subprocess.Popen[str]) -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                msg = json.loads(line)
+                with lock:
+                    if "total" in msg:
+                        bars[rank].total = msg["total"]
+                        bars[rank].refresh()
+                    elif "batch" in msg:
+                        bars[rank].update(1)
+                    else:
+                        reports[rank] = msg
+
+        threads = [threading.Thread(target=follow, args=(r, p)) for r, p in enumerate(procs)]
+        for t in threads:
+            t.start()
+        codes = [p.wait() for p in procs]
+        for t in threads:
+            t.join()
+        for bar in bars:
+            bar.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return _summary(reports, codes, time.monotonic() - started, epochs)
+
+
+def _summary(
+    reports: dict[int, dict[str, Any]], codes: list[int], seconds: float, epochs: int
+) -> int:
+    ok = True
+    print(f"\nsummary ({seconds:.1f} s wall)")
+    for rank, code in enumerate(codes):
+        report = reports.get(rank)
+        if code != 0 or report is None:
+            print(f"  trainer {rank}: FAILED (exit code {code})")
+            ok = False
+            continue
+        mbps = report["bytes"] / 1e6 / max(report["seconds"], 1e-9)
+        once = report["exactly_once"]
+        ok = ok and once
+        print(
+            f"  trainer {rank}: {report['batches']} batches, {report['samples']} samples, "
+            f"{report['bytes'] / 1e6:.1f} MB at {mbps:.1f} MB/s; every sample index exactly "
+            f"once in each of {epochs} epoch(s): {'yes' if once else 'NO'}"
+        )
+    print("demo " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The gRPC stage: the Loader service, `create_server` (binds, port 0 for tests) and `serve`.
+
+Stream handlers forward the bytes workers encoded, cut into Frames (remote_loader.protos.wire),
+and stop producing as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.context
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from typing import Any, NoReturn
+
+import grpc
+
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.host import LoaderHost
+from remote_loader.server.spec import LoaderSpec
+
+log = logging.getLogger(__name__)
+
+# Streams served at once; one more is refused with RESOURCE_EXHAUSTED instead of queueing.
+DEFAULT_MAX_STREAMS = 32
+# Requests are a few plain fields: anything bigger is a mistake or an attack.
+MAX_REQUEST_BYTES = 64 * 1024
+# How long running streams may finish when the server is asked to stop.
+DEFAULT_GRACE = 5.0
+# Modules the fork server imports once, so each worker starts as a fork of a warm process.
+FORKSERVER_PRELOAD = ["torch", "numpy", "remote_loader.server.worker"]
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for workers: a fork server, started now.
+
+    Forking a process that runs gRPC threads is unsafe (grpc/grpc#16001), and workers are
+    started while the server runs (non-persistent pools, replacements). The fork server is a
+    fresh interpreter started here, before any gRPC server, that forks the workers for us.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    # The fork server imports the preload list (torch: about a second) before it forks anything;
+    # start one process now so that cost is paid at start-up, not by the first stream.
+    warmup = ctx.Process(target=_noop, name="remote-loader-warmup")  # type: ignore[attr-defined]
+    warmup.start()
+    warmup.join()
+    return ctx
+
+
+def _noop() -> None:
+    pass
+
+
+class LoaderService:
+    """The `remote_loader.v1.Loader` service over a set of hosted loaders."""
+
+    def __init__(self, hosts: Mapping[str, LoaderHost], chunk_size: int) -> None:
+        if not hosts:
+            raise ValueError("a server needs at least one loader")
+        if not 0 < chunk_size <= wire.MAX_CHUNK_SIZE:
+            raise ValueError(
+                f"chunk_size must be between 1 and {wire.MAX_CHUNK_SIZE} bytes, got {chunk_size}"
+            )
+        self.hosts = dict(hosts)
+        self.chunk_size = chunk_size
+
+    def _host(self, name: str, context: grpc.ServicerContext) -> LoaderHost:
+        if not name:
+            if len(self.hosts) == 1:
+                return next(iter(self.hosts.values()))
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this server hosts several loaders ({', '.join(sorted(self.hosts))}); name one",
+            )
+        host = self.hosts.get(name)
+        if host is None:
+            _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}",
+            )
+        return host
+
+    def ListLoaders(
+        self, request: pb.ListLoadersRequest, context: grpc.ServicerContext
+    ) -> pb.ListLoadersResponse:
+        return pb.ListLoadersResponse(names=sorted(self.hosts))
+
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
+        host = self._host(request.loader, context)
+        spec = host.spec
+        info = pb.LoaderInfo(
+            name=spec.name,
+            dataset_kind=host.dataset_kind,
+            options=spec.options_text(),
+            seed=spec.seed,
+            fingerprint=spec.fingerprint(),
+        )
+        try:
+            info.length = len(host)
+            info.has_length = True
+        except TypeError:
+            pass  # an IterableDataset without __len__: the length is unknown, as in torch
+        if spec.batch_size is not None and spec.batch_sampler is None:
+            info.batch_size = spec.batch_size
+        with contextlib.suppress(TypeError):
+            info.dataset_length = len(host.dataset)
+        return info
+
+    def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        host = self._host(request.loader, context)
+        seed = request.seed if request.HasField("seed") else host.spec.seed
+        cancelled = threading.Event()
+        # The client went away (cancel, break, crash, deadline): stop producing for it.
+        context.add_callback(cancelled.set)
+        started = time.monotonic()
+        batches = nbytes = 0
+        completed = False  # the end frame went out: callbacks after it are not a cancellation
+        log.info(
+            "stream start loader=%s epoch=%d seed=%d peer=%s",
+            host.spec.name,
+            request.epoch,
+            seed,
+            context.peer(),
+        )
+        try:
+            with host.epoch(seed, request.epoch, cancelled) as deliveries:
+                for delivery in deliveries:
+                    if delivery.error is not None:
+                        e = delivery.error
+                        yield wire.control_frame(
+                            pb.Frame(
+                                batch=delivery.position,
+                                error=pb.RemoteError(
+                                    where=e.where,
+                                    type=e.type,
+                                    message=e.message,
+                                    traceback=e.traceback,
+                                ),
+                            )
+                        )
+                    else:
+                        assert delivery.blob is not None
+                        try:
+                            yield from wire.batch_frames(
+                                delivery.position,
+                                delivery.blob,
+                                delivery.header_nbytes,
+                                self.chunk_size,
+                            )
+                            nbytes += len(delivery.blob)
+                        finally:
+                            delivery.release()
+                    batches += 1
+            if not cancelled.is_set():
+                yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
+                completed = True
+        except Exception as exc:
+            if cancelled.is_set():
+                return
+            log.exception("stream of loader %r failed", host.spec.name)
+            _abort(
+                context,
+                grpc.StatusCode.INTERNAL,
+                f"loader {host.spec.name!r} failed outside the dataset: "
+                f"{type(exc).__name__}: {exc}",
+            )
+        finally:
+            log.info(
+                "stream end loader=%s epoch=%d batches=%d bytes=%d seconds=%.3f%s",
+                host.spec.name,
+                request.epoch,
+                batches,
+                nbytes,
+                time.monotonic() - started,
+                " (cancelled by the client)" if cancelled.is_set() and not completed else "",
+            )
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def create_server(
+    hosts: Mapping[str, LoaderHost],
+    address: str = "127.0.0.1:0",
+    *,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
+) -> tuple[grpc.Server, int]:
+    """A gRPC server for `hosts`, bound to `address` but not started; returns it and its port."""
+    service = LoaderService(hosts, chunk_size)
+    handlers = {
+        "ListLoaders": grpc.unary_unary_rpc_method_handler(
+            service.ListLoaders,
+            request_deserializer=pb.ListLoadersRequest.FromString,
+            response_serializer=pb.ListLoadersResponse.SerializeToString,
+        ),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            service.Describe,
+            request_deserializer=pb.DescribeRequest.FromString,
+            response_serializer=pb.LoaderInfo.SerializeToString,
+        ),
+        # No response serializer: the handler yields Frames it serialized itself (see wire.py).
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            service.Stream, request_deserializer=pb.StreamRequest.FromString
+        ),
+    }
+    options: list[tuple[str, Any]] = [
+        # Refuse to share a port with another server (a second server must fail, not split traffic).
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.max_send_message_length", chunk_size + wire.FRAME_OVERHEAD),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="rl-rpc"),
+        handlers=[grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers)],
+        maximum_concurrent_rpcs=max_streams,
+        options=options,
+    )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc} (is another server using it?)") from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (is another server using it?)")
+    return server, port
+
+
+def build_hosts(
+    specs: Mapping[str, LoaderSpec], ctx: multiprocessing.context.BaseContext | None = None
+) -> dict[str, LoaderHost]:
+    """Builds and starts every loader (datasets, option checks, persistent workers)."""
+    ctx = ctx or worker_context()
+    hosts: dict[str, LoaderHost] = {}
+    try:
+        for name, spec in specs.items():
+            hosts[name] = LoaderHost(spec, ctx)
+            hosts[name].start()
+    except BaseException:
+        for host in hosts.values():
+            host.close()
+        raise
+    return hosts
+
+
+def serve(
+    specs: Mapping[str, LoaderSpec],
+    address: str,
+    *,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
+    grace: float = DEFAULT_GRACE,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Runs a server until SIGTERM / SIGINT (or `stop`); returns the process exit code."""
+    hosts = build_hosts(specs)  # workers and the fork server start before any gRPC thread
+    stop = stop or threading.Event()
+    try:
+        server, port = create_server(hosts, address, max_streams=max_streams, chunk_size=chunk_size)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+        server.start()
+        log.info("serving %s on port %d", ", ".join(sorted(hosts)), port)
+        print(f"remote-loader: serving {', '.join(sorted(hosts))} on port {port}", flush=True)
+        if ready is not None:
+            ready.set()
+        stop.wait()
+        log.info("stopping: %.1f s for running streams", grace)
+        server.stop(grace).wait()
+    finally:
+        for host in hosts.values():
+            host.close()
+    return 0

@@ -1,0 +1,239 @@
+"""Loader specs: what a server hosts, read from a TOML file or from command-line flags.
+
+A spec names code by import path ("module:callable") and holds only plain values, so it can be
+fingerprinted, logged and handed to worker processes, which build the dataset themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# TOML has no null. `batch_size = "none"` (any case) spells torch's batch_size=None: no
+# automatic batching, each sample is converted (default_convert) and sent as its own batch.
+BATCH_SIZE_NONE = "none"
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot be turned into a loader spec."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec:
+    """One named loader: a dataset factory and the torch DataLoader options to run it with.
+
+    Option names, defaults and meaning are those of `torch.utils.data.DataLoader`; code-valued
+    options are "module:callable" import paths. `sampler` and `batch_sampler` name factories
+    called as `factory(dataset, **kwargs)` (plus `generator=` when the factory accepts it, see
+    server/sampling.py), once per epoch.
+    """
+
+    name: str
+    dataset: str
+    dataset_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    batch_size: int | None = 1
+    shuffle: bool | None = None
+    sampler: str | None = None
+    sampler_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    batch_sampler: str | None = None
+    batch_sampler_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    drop_last: bool = False
+    collate_fn: str | None = None
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    worker_init_fn: str | None = None
+    timeout: float = 0
+    in_order: bool = True
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as plain JSON values (batch_size None stays None)."""
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A digest of everything that decides which batches an epoch holds.
+
+        The name is left out (renaming a loader does not change its data); num_workers,
+        prefetch_factor, persistent_workers, timeout and in_order are left out too, since batch
+        contents and order do not depend on them.
+        """
+        decisive = self.to_json()
+        for key in (
+            "name",
+            "num_workers",
+            "prefetch_factor",
+            "persistent_workers",
+            "timeout",
+            "in_order",
+        ):
+            decisive.pop(key)
+        text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def options_text(self) -> dict[str, str]:
+        """The options as text, for Describe and logs."""
+        return {k: json.dumps(v, sort_keys=True) for k, v in self.to_json().items() if k != "name"}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LoaderSpec)}
+_IMPORT_PATH_KEYS = ("dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn")
+_KWARGS_KEYS = ("dataset_kwargs", "sampler_kwargs", "batch_sampler_kwargs")
+
+
+def resolve(path: str, what: str = "object") -> Any:
+    """Imports "package.module:attr.sub" and returns the attribute, with a clear error."""
+    module_name, sep, attr_path = path.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(f"{what} {path!r} is not an import path: expected 'module:callable'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ConfigError(
+                f"{what} {path!r}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from exc
+    if not callable(obj):
+        raise ConfigError(f"{what} {path!r} is not callable (got {type(obj).__name__})")
+    return obj
+
+
+def _check_type(name: str, key: str, value: Any) -> Any:
+    """Checks one TOML value against the field's type; returns it normalised."""
+    where = f"loader {name!r}: option {key!r}"
+    if key == "batch_size":
+        if isinstance(value, str):
+            if value.lower() != BATCH_SIZE_NONE:
+                raise ConfigError(
+                    f"{where} must be an integer or {BATCH_SIZE_NONE!r}, got {value!r}"
+                )
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer or {BATCH_SIZE_NONE!r}, got {value!r}")
+        return value
+    if key in _IMPORT_PATH_KEYS:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be an import path 'module:callable', got {value!r}")
+        return value
+    if key in _KWARGS_KEYS:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a table of keyword arguments, got {value!r}")
+        return dict(value)
+    if key in ("shuffle", "drop_last", "persistent_workers", "in_order"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key in ("num_workers", "prefetch_factor", "seed"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if key == "timeout":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number of seconds, got {value!r}")
+        return float(value)
+    raise AssertionError(key)  # every field is handled above
+
+
+def spec_from_table(name: str, table: Mapping[str, Any]) -> LoaderSpec:
+    """Builds a spec from one `[loaders.NAME]` table, checking names and types (not conflicts)."""
+    unknown = sorted(set(table) - (set(_FIELDS) - {"name"}))
+    if unknown:
+        allowed = ", ".join(sorted(set(_FIELDS) - {"name"}))
+        raise ConfigError(
+            f"loader {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {allowed}"
+        )
+    if "dataset" not in table:
+        raise ConfigError(
+            f"loader {name!r}: 'dataset' is required (an import path "
+            "'module:callable' that returns the dataset)"
+        )
+    values = {key: _check_type(name, key, value) for key, value in table.items()}
+    return LoaderSpec(name=name, **values)
+
+
+def load_config(path: str | Path) -> dict[str, LoaderSpec]:
+    """Reads the `[loaders.NAME]` tables of a TOML config file."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    loaders = doc.get("loaders")
+    if not isinstance(loaders, dict) or not loaders:
+        raise ConfigError(
+            f"config file {str(path)!r} defines no loader: add a [loaders.NAME] "
+            'table with at least `dataset = "module:callable"`'
+        )
+    specs = {}
+    for name, table in loaders.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {str(path)!r}: loaders.{name} must be a table")
+        specs[name] = spec_from_table(name, table)
+    return specs
+
+
+# --- command-line flags for a single loader -------------------------------------------------
+
+
+def _json_table(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _batch_size(text: str) -> int | None:
+    if text.lower() == BATCH_SIZE_NONE:
+        return None
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer or {BATCH_SIZE_NONE!r}") from exc
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags that define one loader without a config file."""
+    g = parser.add_argument_group("a single loader (instead of --config)")
+    g.add_argument("--name", default="default", help="loader name (default: %(default)s)")
+    g.add_argument("--dataset", help="dataset factory, 'module:callable'")
+    g.add_argument("--dataset-kwargs", type=_json_table, default={}, metavar="JSON")
+    g.add_argument("--batch-size", type=_batch_size, default=1, metavar="N|none")
+    g.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--sampler", metavar="module:callable")
+    g.add_argument("--sampler-kwargs", type=_json_table, default={}, metavar="JSON")
+    g.add_argument("--batch-sampler", metavar="module:callable")
+    g.add_argument("--batch-sampler-kwargs", type=_json_table, default={}, metavar="JSON")
+    g.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--collate-fn", metavar="module:callable")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--prefetch-factor", type=int, default=None)
+    g.add_argument("--persistent-workers", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--worker-init-fn", metavar="module:callable")
+    g.add_argument("--timeout", type=float, default=0.0)
+    g.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def spec_from_args(args: argparse.Namespace) -> LoaderSpec:
+    """The spec defined by add_spec_arguments' flags."""
+    if not args.dataset:
+        raise ConfigError("no loader given: pass --config FILE, or --dataset module:callable")
+    values = {key: getattr(args, key) for key in _FIELDS}
+    return LoaderSpec(**values)

@@ -1,0 +1,302 @@
+"""The worker stage: a process that turns tasks (indices) into encoded batches in shared memory.
+
+Also holds the pieces the in-process path (num_workers = 0) shares with it: building the
+dataset, seeding like torch, fetching and collating one task, and the error-as-value type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import random
+import signal
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data._utils.worker as torch_worker
+
+from remote_loader.protos import codec
+from remote_loader.server.sampling import Batching
+from remote_loader.server.spec import LoaderSpec, resolve
+
+# How often a blocked worker checks that the server still exists (torch uses the same 5 s).
+MP_STATUS_CHECK_INTERVAL = 5.0
+# Shared-memory slots grow in steps of this, so batches of slightly varying size reuse them.
+SLOT_GRANULE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteError:
+    """An exception raised on the server, carried as a value to where it is consumed."""
+
+    where: str
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def capture(cls, where: str, exc: BaseException) -> RemoteError:
+        text = "".join(traceback.format_exception(exc))
+        return cls(where=where, type=type(exc).__name__, message=str(exc), traceback=text)
+
+
+# --- messages on the queues (see NOTE [ Pool Protocol ] in server/pool.py) -----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochStart:
+    """Reseed and restart iteration for a new epoch; tasks of older epochs are dropped."""
+
+    epoch_key: int
+    base_seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    epoch_key: int
+    task_id: int
+    indices: Any
+    # Slots of this worker that the server has finished reading and hands back for reuse.
+    released: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One task's outcome: an encoded batch in slot `slot`, an error, or the end of the data."""
+
+    worker_id: int
+    epoch_key: int
+    task_id: int
+    slot: int = -1
+    header_nbytes: int = 0
+    total_nbytes: int = 0
+    # A slot the server has not seen yet (or that replaced a smaller one): a shared tensor.
+    new_buffer: torch.Tensor | None = None
+    # Slots the worker has let go (too small); the server forgets them.
+    dropped: tuple[int, ...] = ()
+    error: RemoteError | None = None
+    # An IterableDataset ran dry in this worker (torch's _IterableDatasetStopIteration).
+    exhausted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process needs; the process entry point takes only this."""
+
+    spec: LoaderSpec
+    batching: Batching
+    worker_id: int
+    num_workers: int
+    index_queue: Any
+    result_queue: Any
+    # The current epoch's key, shared with the server, so a worker skips tasks of an epoch the
+    # server has abandoned (a client that went away) instead of loading them.
+    current_epoch: Any
+    server_pid: int
+
+
+# --- pieces shared with the in-process path ---------------------------------------------
+
+
+def build_dataset(spec: LoaderSpec) -> Any:
+    """Calls the spec's dataset factory (datasets are built where they are used, never pickled)."""
+    factory = resolve(spec.dataset, "dataset")
+    return factory(**spec.dataset_kwargs)
+
+
+def seed_rngs(base_seed: int, worker_id: int) -> int:
+    """Seeds `random`, `torch` and `numpy` the way torch's _worker_loop does; returns the seed."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    # torch derives numpy's 128-bit seed from (base_seed, worker_id) with this function; using it
+    # (rather than a look-alike) is what makes numpy augmentations match a local DataLoader.
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+class Fetcher:
+    """Turns one task into one collated batch (torch's _MapDatasetFetcher and
+    _IterableDatasetFetcher in one)."""
+
+    def __init__(self, dataset: Any, batching: Batching, collate_fn: Callable[[Any], Any]) -> None:
+        self.dataset = dataset
+        self.batching = batching
+        self.collate_fn = collate_fn
+        self._iter: Any = iter(dataset) if batching.is_iterable else None
+        self.ended = False
+
+    def fetch(self, indices: Any) -> Any:
+        """The collated batch; raises StopIteration when an IterableDataset has run dry."""
+        if self.batching.is_iterable:
+            return self._fetch_iterable(indices)
+        if self.batching.auto_collation:
+            getitems = getattr(self.dataset, "__getitems__", None)
+            data = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        else:
+            data = self.dataset[indices]
+        return self.collate_fn(data)
+
+    def _fetch_iterable(self, indices: Any) -> Any:
+        if self.ended:
+            raise StopIteration
+        if not self.batching.auto_collation:
+            try:
+                return self.collate_fn(next(self._iter))
+            except StopIteration:
+                self.ended = True
+                raise
+        data = []
+        for _ in indices:
+            try:
+                data.append(next(self._iter))
+            except StopIteration:
+                self.ended = True
+                break
+        if not data or (self.batching.drop_last and len(data) < len(indices)):
+            raise StopIteration
+        return self.collate_fn(data)
+
+
+# --- the worker process -------------------------------------------------------------------
+
+
+class _Slots:
+    """This worker's shared-memory buffers; the server reads a slot until it releases it."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._free: set[int] = set()
+        self._next_id = 0
+
+    def release(self, ids: tuple[int, ...]) -> None:
+        self._free.update(i for i in ids if i in self._buffers)
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+        """A free slot of at least nbytes: (id, buffer, buffer if new else None, dropped ids)."""
+        fitting = [i for i in self._free if self._buffers[i].numel() >= nbytes]
+        if fitting:
+            slot = min(fitting, key=lambda i: self._buffers[i].numel())
+            self._free.discard(slot)
+            return slot, self._buffers[slot], None, ()
+        # Nothing fits: replace the free slots that are too small rather than keep them, so the
+        # number of slots stays bounded by the tasks in flight.
+        dropped = tuple(self._free)
+        for i in dropped:
+            del self._buffers[i]
+        self._free.clear()
+        size = -(-max(nbytes, 1) // SLOT_GRANULE) * SLOT_GRANULE
+        buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+        slot = self._next_id
+        self._next_id += 1
+        self._buffers[slot] = buffer
+        return slot, buffer, buffer, dropped
+
+
+def _server_alive(server_pid: int, parent_pid: int) -> bool:
+    # Our parent is the fork server, which exits with the server; a changed parent pid means it is
+    # gone. The server's own pid is checked too, in case the fork server outlives it.
+    if os.getppid() != parent_pid:
+        return False
+    try:
+        os.kill(server_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def worker_loop(cfg: WorkerConfig) -> None:
+    """Entry point of a worker process. See NOTE [ Pool Protocol ] in server/pool.py.
+
+    Reads EpochStart / Task / None from its index queue, writes one Result per Task to the result
+    queue, and exits on None or when the server is gone.
+    """
+    # Ctrl-C belongs to the server, which shuts the pool down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
+    parent_pid = os.getppid()
+    where = f"in DataLoader worker process {cfg.worker_id}"
+    init_error: RemoteError | None = None
+    fetcher: Fetcher | None = None
+    dataset: Any = None
+    collate_fn: Callable[[Any], Any] | None = None
+    try:
+        dataset = build_dataset(cfg.spec)
+        collate_fn = cfg.batching.collate_fn(cfg.spec)
+    except Exception as exc:
+        init_error = RemoteError.capture(where, exc)
+    slots = _Slots()
+    epoch_key = -1
+    initialized = False
+    while True:
+        try:
+            msg = cfg.index_queue.get(timeout=MP_STATUS_CHECK_INTERVAL)
+        except queue.Empty:
+            if not _server_alive(cfg.server_pid, parent_pid):
+                return
+            continue
+        if msg is None:
+            return
+        if isinstance(msg, EpochStart):
+            epoch_key = msg.epoch_key
+            if init_error is not None:
+                continue
+            seed = seed_rngs(msg.base_seed, cfg.worker_id)
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset
+            )
+            try:
+                if not initialized and cfg.spec.worker_init_fn:
+                    resolve(cfg.spec.worker_init_fn, "worker_init_fn")(cfg.worker_id)
+                initialized = True
+                assert collate_fn is not None
+                fetcher = Fetcher(dataset, cfg.batching, collate_fn)
+            except Exception as exc:
+                init_error = RemoteError.capture(where, exc)
+            continue
+        slots.release(msg.released)
+        if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:
+            continue  # an abandoned epoch: the server no longer waits for this result
+        cfg.result_queue.put(_run_task(cfg, msg, fetcher, slots, init_error, where))
+        del msg
+
+
+def _run_task(
+    cfg: WorkerConfig,
+    task: Task,
+    fetcher: Fetcher | None,
+    slots: _Slots,
+    init_error: RemoteError | None,
+    where: str,
+) -> Result:
+    base = {"worker_id": cfg.worker_id, "epoch_key": task.epoch_key, "task_id": task.task_id}
+    if init_error is not None:
+        return Result(**base, error=init_error)
+    assert fetcher is not None
+    try:
+        batch = fetcher.fetch(task.indices)
+    except StopIteration:
+        return Result(**base, exhausted=True)
+    except Exception as exc:
+        return Result(**base, error=RemoteError.capture(where, exc))
+    try:
+        encoded = codec.encode(batch)
+    except Exception as exc:
+        return Result(**base, error=RemoteError.capture(f"encoding a batch {where}", exc))
+    del batch
+    slot, buffer, new_buffer, dropped = slots.take(encoded.total_nbytes)
+    encoded.write_blob(buffer[: encoded.total_nbytes])
+    return Result(
+        **base,
+        slot=slot,
+        header_nbytes=len(encoded.header),
+        total_nbytes=encoded.total_nbytes,
+        new_buffer=new_buffer,
+        dropped=dropped,
+    )

@@ -1,0 +1,102 @@
+"""Fixtures: real servers on port 0 (in this process, or as `remote-loader serve` processes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from remote_loader.server.service import build_hosts, create_server
+from remote_loader.server.spec import LoaderSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The demo dataset caches its images; never in the home directory during tests.
+    monkeypatch.setenv("REMOTE_LOADER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+StartServer = Callable[..., str]
+
+
+@pytest.fixture
+def start_server() -> Iterator[StartServer]:
+    """Starts an in-process server for the given specs on 127.0.0.1:0; returns its address."""
+    running: list[tuple[Any, dict[str, Any]]] = []
+
+    def start(*specs: LoaderSpec, **kwargs: Any) -> str:
+        hosts = build_hosts({spec.name: spec for spec in specs})
+        server, port = create_server(hosts, "127.0.0.1:0", **kwargs)
+        server.start()
+        running.append((server, hosts))
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server, hosts in running:
+        server.stop(None).wait()
+        for host in hosts.values():
+            host.close()
+
+
+def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """`remote-loader serve ARGS --address 127.0.0.1:0` as a process; returns it and its address."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "remote_loader.server.cli",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            "--log-level",
+            "WARNING",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.search(r"on port (\d+)", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"server did not start: {line!r} {proc.communicate()[1]}")
+    return proc, f"127.0.0.1:{match.group(1)}"
+
+
+def assert_same(a: Any, b: Any, path: str = "batch") -> None:
+    """Exact equality of two batches: same types, dtypes, shapes and values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
+        assert torch.equal(a.cpu(), b.cpu()), f"{path}: values differ\n{a}\n{b}"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, f"{path}: {b!r}"
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(b)} of {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"

@@ -1,0 +1,152 @@
+"""Datasets, samplers and collate functions the tests name by import path ("tests.datasets:X").
+
+Worker processes import this module by that path, so everything here is module-level.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+INIT_CALLS = 0  # per process: how often worker_init_fn ran there
+
+
+def count_init(worker_id: int) -> None:
+    global INIT_CALLS
+    INIT_CALLS += 1
+
+
+def _worker_id() -> int:
+    info = get_worker_info()
+    return -1 if info is None else info.id
+
+
+class Squares(Dataset[dict[str, Any]]):
+    """Deterministic samples: index, its square, a small image-like tensor."""
+
+    def __init__(self, n: int = 50) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "square": torch.tensor(i * i), "x": torch.full((2, 3), float(i))}
+
+
+class RandomAug(Dataset[tuple[Any, ...]]):
+    """Samples drawn from all three RNGs a DataLoader seeds, plus the worker that made them."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        return i, torch.rand(3), random.random(), np.random.rand(2), _worker_id()
+
+
+class WorkerProbe(Dataset[tuple[int, int, int, int]]):
+    """Which worker process made a sample, and how often worker_init_fn ran there."""
+
+    def __init__(self, n: int = 12) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, int]:
+        return i, _worker_id(), INIT_CALLS, os.getpid()
+
+
+class Sharded(IterableDataset[int]):
+    """An IterableDataset split between workers by get_worker_info(), unevenly: worker 0 gets
+    the extra items, so workers run dry at different times."""
+
+    def __init__(self, n: int = 23) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
+
+
+class Unsized(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+
+class Failing(Dataset[int]):
+    """Raises at index `bad`."""
+
+    def __init__(self, n: int = 20, bad: int = 7) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            raise ValueError(f"sample {i} is corrupt")
+        return i
+
+
+class Reversed(Sampler[int]):
+    """A custom sampler: the dataset backwards."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.dataset) - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class GrowingBatches(Sampler[list[int]]):
+    """A custom batch_sampler: batches of 1, 2, 3, ... indices, in a generator-shuffled order."""
+
+    def __init__(self, dataset: Any, generator: torch.Generator | None = None) -> None:
+        self.dataset = dataset
+        self.generator = generator
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+        size = 1
+        while order:
+            yield order[:size]
+            order = order[size:]
+            size += 1
+
+    def __len__(self) -> int:
+        count, left, size = 0, len(self.dataset), 1
+        while left > 0:
+            left -= size
+            size += 1
+            count += 1
+        return count
+
+
+def mixed_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collate_fn returning a dict of mixed types."""
+    return {
+        "x": torch.stack([s["x"] for s in samples]),
+        "indices": [s["index"] for s in samples],
+        "names": [f"sample-{s['index']}" for s in samples],
+        "raw": bytes(s["index"] % 256 for s in samples),
+        "array": np.array([s["index"] for s in samples], dtype=np.int16),
+        "mask": torch.tensor([s["index"] % 2 == 0 for s in samples]),
+        "half": torch.stack([s["x"] for s in samples]).to(torch.bfloat16),
+        "nothing": None,
+        "pair": (len(samples), 0.5),
+    }

@@ -1,0 +1,172 @@
+"""RemoteLoader yields what torch's DataLoader yields for the same dataset, options and seed.
+
+The reference is `DataLoader(..., generator=torch.Generator().manual_seed(seed + epoch))`, the
+convention of DistributedSampler; random augmentations inside __getitem__ included.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data._utils.worker as torch_worker
+from torch.utils.data import DataLoader
+
+from remote_loader.client import RemoteLoader
+from remote_loader.server.service import build_hosts, create_server
+from remote_loader.server.spec import LoaderSpec, resolve
+from tests.conftest import assert_same
+
+SEED = 1234
+
+CASES: dict[str, dict[str, Any]] = {
+    "map": {"dataset": "tests.datasets:Squares", "batch_size": 4},
+    "map-shuffle": {"dataset": "tests.datasets:Squares", "batch_size": 4, "shuffle": True},
+    "no-batching": {"dataset": "tests.datasets:Squares", "batch_size": None, "shuffle": True},
+    "drop-last": {
+        "dataset": "tests.datasets:Squares",
+        "batch_size": 7,
+        "drop_last": True,
+        "shuffle": True,
+    },
+    "sampler": {
+        "dataset": "tests.datasets:Squares",
+        "batch_size": 3,
+        "sampler": "tests.datasets:Reversed",
+    },
+    "batch-sampler": {
+        "dataset": "tests.datasets:Squares",
+        "batch_sampler": "tests.datasets:GrowingBatches",
+    },
+    "mixed-collate": {
+        "dataset": "tests.datasets:Squares",
+        "batch_size": 5,
+        "shuffle": True,
+        "collate_fn": "tests.datasets:mixed_collate",
+    },
+    "iterable": {"dataset": "tests.datasets:Sharded", "batch_size": 4},
+    "iterable-drop-last": {"dataset": "tests.datasets:Sharded", "batch_size": 3, "drop_last": True},
+    "random-aug": {"dataset": "tests.datasets:RandomAug", "batch_size": 4, "shuffle": True},
+}
+WORKERS = (0, 1, 3)
+
+
+def _spec(case: str, num_workers: int, **extra: Any) -> LoaderSpec:
+    suffix = "".join(f"-{k}={v}" for k, v in sorted(extra.items()))
+    return LoaderSpec(
+        name=f"{case}-{num_workers}{suffix}", num_workers=num_workers, **{**CASES[case], **extra}
+    )
+
+
+def _factory(path: str, dataset: Any, generator: torch.Generator | None) -> Any:
+    factory = resolve(path)
+    if "generator" in inspect.signature(factory).parameters:
+        return factory(dataset, generator=generator)
+    return factory(dataset)
+
+
+def local_batches(spec: LoaderSpec, seed: int, epoch: int) -> list[Any]:
+    """torch's own DataLoader over the same dataset and options."""
+    dataset = resolve(spec.dataset)(**spec.dataset_kwargs)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    loader = DataLoader(
+        dataset,
+        batch_size=spec.batch_size,
+        shuffle=spec.shuffle,
+        sampler=_factory(spec.sampler, dataset, generator) if spec.sampler else None,
+        batch_sampler=(
+            _factory(spec.batch_sampler, dataset, generator) if spec.batch_sampler else None
+        ),
+        collate_fn=resolve(spec.collate_fn) if spec.collate_fn else None,
+        drop_last=spec.drop_last,
+        num_workers=spec.num_workers,
+        generator=generator,
+        # Not fork: this process runs gRPC threads (grpc/grpc#16001).
+        multiprocessing_context="forkserver" if spec.num_workers else None,
+        worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
+    )
+    if spec.num_workers == 0:
+        # Documented: with num_workers = 0 the server seeds its own RNGs as worker 0 would be
+        # seeded; torch leaves the main process's RNGs alone, so do it here by hand.
+        probe = torch.Generator().manual_seed(seed + epoch)
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=probe).item())
+        random.seed(base_seed)
+        torch.manual_seed(base_seed)
+        np.random.seed(torch_worker._generate_state(base_seed, 0))
+    return list(loader)
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    specs = [_spec(case, n) for case in CASES for n in WORKERS]
+    specs += [_spec("random-aug", 2, in_order=False), _spec("iterable", 3, in_order=False)]
+    hosts = build_hosts({s.name: s for s in specs})
+    server, port = create_server(hosts, "127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None).wait()
+    for host in hosts.values():
+        host.close()
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("case", CASES)
+def test_same_batches_as_torch(address: str, case: str, num_workers: int) -> None:
+    spec = _spec(case, num_workers)
+    with RemoteLoader(address, spec.name, seed=SEED) as loader:
+        loader.set_epoch(3)
+        remote = list(loader)
+    expected = local_batches(spec, SEED, 3)
+    assert len(remote) == len(expected) > 0
+    assert_same(remote, expected)
+
+
+@pytest.mark.parametrize("case", ["random-aug", "iterable"])
+def test_out_of_order_is_the_same_multiset(address: str, case: str) -> None:
+    workers = 2 if case == "random-aug" else 3
+    spec = _spec(case, workers, in_order=False)
+    with RemoteLoader(address, spec.name, seed=SEED) as loader:
+        remote = list(loader)
+
+    def key(batch: Any) -> Any:
+        return batch[0].tolist() if isinstance(batch, tuple | list) else batch.tolist()
+
+    expected = local_batches(spec, SEED, 0)
+    assert_same(sorted(remote, key=key), sorted(expected, key=key))
+
+
+@pytest.mark.parametrize("case", ["map", "drop-last", "batch-sampler", "no-batching", "iterable"])
+def test_len_matches_torch(address: str, case: str) -> None:
+    spec = _spec(case, 0)
+    dataset = resolve(spec.dataset)(**spec.dataset_kwargs)
+    batch_sampler = _factory(spec.batch_sampler, dataset, None) if spec.batch_sampler else None
+    local = DataLoader(
+        dataset, batch_size=spec.batch_size, drop_last=spec.drop_last, batch_sampler=batch_sampler
+    )
+    with RemoteLoader(address, spec.name) as loader:
+        if case == "iterable":  # no __len__: both refuse, with the same exception type
+            with pytest.raises(TypeError):
+                len(local)
+            with pytest.raises(TypeError, match="no len"):
+                len(loader)
+        else:
+            assert len(loader) == len(local) > 0
+
+
+def test_epochs_follow_each_other_and_set_epoch(address: str) -> None:
+    spec = _spec("map-shuffle", 1)
+    with RemoteLoader(address, spec.name, seed=SEED) as loader:
+        epochs = [list(loader) for _ in range(3)]
+        loader.set_epoch(1)
+        again = list(loader)
+    for e, batches in enumerate(epochs):
+        assert_same(batches, local_batches(spec, SEED, e))
+    assert_same(again, epochs[1])
+    orders = [torch.cat([b["index"] for b in batches]).tolist() for batches in epochs]
+    assert orders[0] != orders[1] != orders[2]
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(50))

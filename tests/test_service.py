@@ -1,0 +1,153 @@
+"""The service over real gRPC: listing, describing, errors at their position, many streams."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from remote_loader.client import (
+    ConnectionLostError,
+    DatasetError,
+    LoaderNotFoundError,
+    RemoteLoader,
+)
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import StartServer
+
+SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
+FAILING = LoaderSpec(name="failing", dataset="tests.datasets:Failing", batch_size=2,
+                     num_workers=2, dataset_kwargs={"n": 20, "bad": 7})
+
+
+def test_describe_and_only_loader(start_server: StartServer) -> None:
+    address = start_server(SQUARES)
+    with RemoteLoader(address) as loader:  # the server's only loader
+        assert loader.name == "squares"
+        assert len(loader) == 13
+        assert loader.batch_size == 4
+        assert loader.info.dataset_kind == "map"
+        assert loader.info.dataset_length == 50
+        assert loader.info.fingerprint == SQUARES.fingerprint()
+        assert loader.info.options["batch_size"] == "4"
+
+
+def test_loader_names_are_checked(start_server: StartServer) -> None:
+    address = start_server(SQUARES, FAILING)
+    with pytest.raises(LoaderNotFoundError, match="hosts 2 loaders .*failing, squares.*loader="):
+        RemoteLoader(address)
+    with pytest.raises(LoaderNotFoundError, match="no loader named 'nope'.*failing, squares"):
+        RemoteLoader(address, "nope")
+
+
+def test_unreachable_server_fails_clearly() -> None:
+    with pytest.raises(ConnectionLostError, match="no answer from 127.0.0.1:1 within 0.5 s"):
+        RemoteLoader("127.0.0.1:1", connect_timeout=0.5)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_error_arrives_at_its_batch(start_server: StartServer, num_workers: int) -> None:
+    spec = LoaderSpec(name="failing", dataset="tests.datasets:Failing", batch_size=2,
+                      num_workers=num_workers, dataset_kwargs={"n": 20, "bad": 7})
+    address = start_server(spec, SQUARES)
+    with RemoteLoader(address, "failing") as loader:
+        it = iter(loader)
+        got = [next(it).tolist() for _ in range(3)]
+        assert got == [[0, 1], [2, 3], [4, 5]]
+        with pytest.raises(DatasetError) as info:
+            next(it)  # batch 3 holds index 7
+        err = info.value
+        assert err.position == 3 and err.remote_type == "ValueError"
+        assert "sample 7 is corrupt" in str(err)
+        assert "tests/datasets.py" in err.remote_traceback  # the remote frame, with its file
+        assert "raise ValueError" in err.remote_traceback
+        # The stream goes on after the error, as a torch DataLoader iterator does.
+        assert next(it).tolist() == [8, 9]
+        assert [b.tolist() for b in it][-1] == [18, 19]
+    # ... and the server keeps serving other streams.
+    with RemoteLoader(address, "squares") as loader:
+        assert sum(len(b["index"]) for b in loader) == 50
+
+
+def test_four_clients_at_once(start_server: StartServer) -> None:
+    spec = LoaderSpec(name="shared", dataset="tests.datasets:Squares", batch_size=3,
+                      shuffle=True, num_workers=2, persistent_workers=True,
+                      dataset_kwargs={"n": 60})
+    address = start_server(spec)
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with RemoteLoader(address, seed=7) as loader:
+                loader.set_epoch(i % 2)
+                results[i] = torch.cat([b["index"] for b in loader]).tolist()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert all(sorted(r) == list(range(60)) for r in results.values())
+    assert results[0] == results[2] and results[1] == results[3] and results[0] != results[1]
+
+
+def test_stream_frames_are_plain_protobuf(start_server: StartServer) -> None:
+    # A client without our codec (any gRPC stack) reads the hand-written frames as Frames.
+    spec = LoaderSpec(name="big", dataset="tests.datasets:Squares", batch_size=10)
+    address = start_server(spec, chunk_size=100)
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(wire.STREAM_METHOD,
+                                    request_serializer=pb.StreamRequest.SerializeToString,
+                                    response_deserializer=pb.Frame.FromString)
+        frames = list(call(pb.StreamRequest(loader="big"), timeout=30))
+    assert frames[-1].HasField("end") and frames[-1].end.batches == 5
+    first = [f for f in frames if f.batch == 0 and not f.HasField("end")]
+    assert len(first) == first[0].parts > 1
+    assert all(len(f.data) <= 100 for f in frames)
+    assert sum(len(f.data) for f in first) == first[0].total_bytes
+
+
+def test_small_chunks_reassemble(start_server: StartServer) -> None:
+    spec = LoaderSpec(name="big", dataset="tests.datasets:Squares", batch_size=10, num_workers=1)
+    address = start_server(spec, chunk_size=64)
+    with RemoteLoader(address) as loader:
+        batches = list(loader)
+    assert torch.cat([b["x"] for b in batches]).shape == (50, 2, 3)
+    assert torch.cat([b["index"] for b in batches]).tolist() == list(range(50))
+
+
+def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
+    spec = LoaderSpec(name="probe", dataset="tests.datasets:WorkerProbe", batch_size=1,
+                      num_workers=2, dataset_kwargs={"n": 10_000})
+    address = start_server(spec)
+    pids = set()
+    with RemoteLoader(address) as loader:
+        for i, (_, _, _, pid) in enumerate(loader):
+            pids.add(int(pid))
+            if i == 3:
+                break
+    # The stream's workers (a pool of its own: not persistent) exit once the client has gone.
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited but is not reaped yet; it no longer works.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
