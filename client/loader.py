@@ -92,7 +92,9 @@ class RemoteLoader:
             )
             # Raw bytes out: Frames are parsed by the receiver without copying their data.
             self._stream = self._channel.unary_stream(
-                wire.STREAM_METHOD, request_serializer=pb.StreamRequest.SerializeToString
+                wire.STREAM_METHOD,
+                request_serializer=pb.StreamRequest.SerializeToString,
+                response_deserializer=_as_is,
             )
             self.name = loader if loader is not None else self._only_loader(connect_timeout)
             self.info: pb.LoaderInfo = self._call(
@@ -127,7 +129,7 @@ class RemoteLoader:
                 f"the server at {self.address} hosts {len(names)} loaders "
                 f"({', '.join(names) or 'none'}); pass loader=NAME to pick one"
             )
-        return names[0]
+        return str(names[0])
 
     # --- DataLoader surface --------------------------------------------------------------
 
@@ -258,6 +260,10 @@ class _EpochIterator(Iterator[Any]):
         # Backstop only: close() / RemoteLoader.close() are the cleanup path.
         if not self._done:
             self._receiver.stop()
+
+
+def _as_is(message: bytes) -> bytes:
+    return message
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

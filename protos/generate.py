@@ -16,22 +16,22 @@ PROTO = "loader.proto"
 OUTPUTS = ("loader_pb2.py", "loader_pb2.pyi", "loader_pb2_grpc.py")
 
 
-def generate(out_dir: Path) -> None:
-    """Writes the stubs for loader.proto into out_dir."""
+def generate(out_dir: Path, proto_dir: Path = HERE) -> None:
+    """Writes the stubs for proto_dir/loader.proto into out_dir."""
     from grpc_tools import protoc  # the test extra; imported here so the package never needs it
 
     include = str(Path(protoc.__file__).resolve().parent / "_proto")
     args = [
         "grpc_tools.protoc",
-        f"-I{HERE}",
+        f"-I{proto_dir}",
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(HERE / PROTO),
+        str(proto_dir / PROTO),
     ]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {HERE / PROTO}")
+        raise RuntimeError(f"protoc failed on {proto_dir / PROTO}")
     # protoc writes `import loader_pb2`, which only works with this folder on sys.path; the
     # package's import name is remote_loader.protos (STYLE: no bare *_pb2 imports).
     grpc_file = out_dir / "loader_pb2_grpc.py"
@@ -42,19 +42,20 @@ def generate(out_dir: Path) -> None:
     grpc_file.write_text(text)
 
 
-def stale_outputs() -> list[str]:
-    """The committed stubs that differ from a fresh generation."""
+def stale_outputs(proto_dir: Path = HERE) -> list[str]:
+    """The stubs in proto_dir that differ from a fresh generation from its loader.proto."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp))
+        generate(Path(tmp), proto_dir)
         return [
             name
             for name in OUTPUTS
-            if not (HERE / name).exists()
-            or (Path(tmp) / name).read_text() != (HERE / name).read_text()
+            if not (proto_dir / name).exists()
+            or (Path(tmp) / name).read_text() != (proto_dir / name).read_text()
         ]
 
 
 def main() -> int:
+    # Run from a checkout (python protos/generate.py), this writes into the checkout's protos/.
     generate(HERE)
     print(f"generated {', '.join(OUTPUTS)} in {HERE}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -16,7 +17,7 @@ import multiprocessing.context
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from remote_loader.server.reorder import Reorderer
@@ -178,7 +179,7 @@ class WorkerPool:
         for slot in result.dropped:
             self._slots.pop((result.worker_id, slot), None)
         if result.new_buffer is not None:
-            self._slots[(result.worker_id, result.slot)] = memoryview(result.new_buffer.numpy())
+            self._slots[(result.worker_id, result.slot)] = result.new_buffer.numpy().data
 
     def _check_alive(self) -> None:
         dead = [w for w in self._workers if not w.is_alive()]
@@ -186,7 +187,9 @@ class WorkerPool:
             pids = ", ".join(f"{w.pid} (exit code {w.exitcode})" for w in dead)
             raise WorkerDiedError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
 
-    def run_epoch(self, plan: EpochPlan, cancelled: threading.Event) -> Iterator[Delivery]:
+    def run_epoch(
+        self, plan: EpochPlan, cancelled: threading.Event
+    ) -> Generator[Delivery, None, None]:
         """The epoch's batches, in task order (or completion order without in_order).
 
         Stops early, leaving no work behind, when `cancelled` is set or the caller closes the
@@ -253,7 +256,7 @@ class WorkerPool:
                             position=position,
                             blob=blob,
                             header_nbytes=ready.header_nbytes,
-                            release=lambda w=worker_id, s=slot: self._release(w, s),
+                            release=functools.partial(self._release, worker_id, slot),
                         )
                         position += 1
                     put_task()

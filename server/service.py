@@ -50,7 +50,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     forkserver.ensure_running()
     # The fork server imports the preload list (torch: about a second) before it forks anything;
     # start one process now so that cost is paid at start-up, not by the first stream.
-    warmup = ctx.Process(target=_noop, name="remote-loader-warmup")  # type: ignore[attr-defined]
+    warmup = ctx.Process(target=_noop, name="remote-loader-warmup")
     warmup.start()
     warmup.join()
     return ctx

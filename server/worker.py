@@ -7,6 +7,7 @@ dataset, seeding like torch, fetching and collating one task, and the error-as-v
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import random
@@ -275,25 +276,24 @@ def _run_task(
     init_error: RemoteError | None,
     where: str,
 ) -> Result:
-    base = {"worker_id": cfg.worker_id, "epoch_key": task.epoch_key, "task_id": task.task_id}
+    base = functools.partial(Result, cfg.worker_id, task.epoch_key, task.task_id)
     if init_error is not None:
-        return Result(**base, error=init_error)
+        return base(error=init_error)
     assert fetcher is not None
     try:
         batch = fetcher.fetch(task.indices)
     except StopIteration:
-        return Result(**base, exhausted=True)
+        return base(exhausted=True)
     except Exception as exc:
-        return Result(**base, error=RemoteError.capture(where, exc))
+        return base(error=RemoteError.capture(where, exc))
     try:
         encoded = codec.encode(batch)
     except Exception as exc:
-        return Result(**base, error=RemoteError.capture(f"encoding a batch {where}", exc))
+        return base(error=RemoteError.capture(f"encoding a batch {where}", exc))
     del batch
     slot, buffer, new_buffer, dropped = slots.take(encoded.total_nbytes)
     encoded.write_blob(buffer[: encoded.total_nbytes])
-    return Result(
-        **base,
+    return base(
         slot=slot,
         header_nbytes=len(encoded.header),
         total_nbytes=encoded.total_nbytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -77,6 +78,13 @@ def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
         proc.kill()
         raise AssertionError(f"server did not start: {line!r} {proc.communicate()[1]}")
     return proc, f"127.0.0.1:{match.group(1)}"
+
+
+def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """SIGTERM, then the exit code and stderr (closing the pipes)."""
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err
 
 
 def assert_same(a: Any, b: Any, path: str = "batch") -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,3 +151,17 @@ def mixed_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "nothing": None,
         "pair": (len(samples), 0.5),
     }
+
+
+class Slow(Dataset[int]):
+    """Sleeps before every sample."""
+
+    def __init__(self, n: int = 4, seconds: float = 1.0) -> None:
+        self.n, self.seconds = n, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.seconds)
+        return i

@@ -22,8 +22,13 @@ from remote_loader.server.spec import LoaderSpec
 from tests.conftest import StartServer
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
-FAILING = LoaderSpec(name="failing", dataset="tests.datasets:Failing", batch_size=2,
-                     num_workers=2, dataset_kwargs={"n": 20, "bad": 7})
+FAILING = LoaderSpec(
+    name="failing",
+    dataset="tests.datasets:Failing",
+    batch_size=2,
+    num_workers=2,
+    dataset_kwargs={"n": 20, "bad": 7},
+)
 
 
 def test_describe_and_only_loader(start_server: StartServer) -> None:
@@ -40,21 +45,26 @@ def test_describe_and_only_loader(start_server: StartServer) -> None:
 
 def test_loader_names_are_checked(start_server: StartServer) -> None:
     address = start_server(SQUARES, FAILING)
-    with pytest.raises(LoaderNotFoundError, match="hosts 2 loaders .*failing, squares.*loader="):
+    with pytest.raises(LoaderNotFoundError, match=r"hosts 2 loaders .*failing, squares.*loader="):
         RemoteLoader(address)
-    with pytest.raises(LoaderNotFoundError, match="no loader named 'nope'.*failing, squares"):
+    with pytest.raises(LoaderNotFoundError, match=r"no loader named 'nope'.*failing, squares"):
         RemoteLoader(address, "nope")
 
 
 def test_unreachable_server_fails_clearly() -> None:
-    with pytest.raises(ConnectionLostError, match="no answer from 127.0.0.1:1 within 0.5 s"):
+    with pytest.raises(ConnectionLostError, match=r"no answer from 127\.0\.0\.1:1 within 0\.5 s"):
         RemoteLoader("127.0.0.1:1", connect_timeout=0.5)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dataset_error_arrives_at_its_batch(start_server: StartServer, num_workers: int) -> None:
-    spec = LoaderSpec(name="failing", dataset="tests.datasets:Failing", batch_size=2,
-                      num_workers=num_workers, dataset_kwargs={"n": 20, "bad": 7})
+    spec = LoaderSpec(
+        name="failing",
+        dataset="tests.datasets:Failing",
+        batch_size=2,
+        num_workers=num_workers,
+        dataset_kwargs={"n": 20, "bad": 7},
+    )
     address = start_server(spec, SQUARES)
     with RemoteLoader(address, "failing") as loader:
         it = iter(loader)
@@ -76,9 +86,15 @@ def test_dataset_error_arrives_at_its_batch(start_server: StartServer, num_worke
 
 
 def test_four_clients_at_once(start_server: StartServer) -> None:
-    spec = LoaderSpec(name="shared", dataset="tests.datasets:Squares", batch_size=3,
-                      shuffle=True, num_workers=2, persistent_workers=True,
-                      dataset_kwargs={"n": 60})
+    spec = LoaderSpec(
+        name="shared",
+        dataset="tests.datasets:Squares",
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        dataset_kwargs={"n": 60},
+    )
     address = start_server(spec)
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
@@ -106,9 +122,11 @@ def test_stream_frames_are_plain_protobuf(start_server: StartServer) -> None:
     spec = LoaderSpec(name="big", dataset="tests.datasets:Squares", batch_size=10)
     address = start_server(spec, chunk_size=100)
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_stream(wire.STREAM_METHOD,
-                                    request_serializer=pb.StreamRequest.SerializeToString,
-                                    response_deserializer=pb.Frame.FromString)
+        call = channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
+        )
         frames = list(call(pb.StreamRequest(loader="big"), timeout=30))
     assert frames[-1].HasField("end") and frames[-1].end.batches == 5
     first = [f for f in frames if f.batch == 0 and not f.HasField("end")]
@@ -127,8 +145,13 @@ def test_small_chunks_reassemble(start_server: StartServer) -> None:
 
 
 def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
-    spec = LoaderSpec(name="probe", dataset="tests.datasets:WorkerProbe", batch_size=1,
-                      num_workers=2, dataset_kwargs={"n": 10_000})
+    spec = LoaderSpec(
+        name="probe",
+        dataset="tests.datasets:WorkerProbe",
+        batch_size=1,
+        num_workers=2,
+        dataset_kwargs={"n": 10_000},
+    )
     address = start_server(spec)
     pids = set()
     with RemoteLoader(address) as loader:

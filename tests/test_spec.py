@@ -90,19 +90,42 @@ def test_resolve_errors(path: str, message: str) -> None:
 def test_flags() -> None:
     parser = argparse.ArgumentParser()
     add_spec_arguments(parser)
-    args = parser.parse_args(["--dataset", "tests.datasets:Squares", "--batch-size", "none",
-                              "--shuffle", "--dataset-kwargs", '{"n": 5}', "--num-workers", "2"])
+    args = parser.parse_args(
+        [
+            "--dataset",
+            "tests.datasets:Squares",
+            "--batch-size",
+            "none",
+            "--shuffle",
+            "--dataset-kwargs",
+            '{"n": 5}',
+            "--num-workers",
+            "2",
+        ]
+    )
     spec = spec_from_args(args)
-    assert spec == LoaderSpec(name="default", dataset="tests.datasets:Squares", batch_size=None,
-                              shuffle=True, dataset_kwargs={"n": 5}, num_workers=2)
+    assert spec == LoaderSpec(
+        name="default",
+        dataset="tests.datasets:Squares",
+        batch_size=None,
+        shuffle=True,
+        dataset_kwargs={"n": 5},
+        num_workers=2,
+    )
 
 
 def test_fingerprint_tracks_what_decides_the_batches() -> None:
     a = LoaderSpec(name="a", dataset="tests.datasets:Squares", batch_size=4)
-    assert a.fingerprint() == LoaderSpec(name="b", dataset="tests.datasets:Squares",
-                                         batch_size=4, num_workers=3).fingerprint()
-    assert a.fingerprint() != LoaderSpec(name="a", dataset="tests.datasets:Squares",
-                                         batch_size=5).fingerprint()
+    assert (
+        a.fingerprint()
+        == LoaderSpec(
+            name="b", dataset="tests.datasets:Squares", batch_size=4, num_workers=3
+        ).fingerprint()
+    )
+    assert (
+        a.fingerprint()
+        != LoaderSpec(name="a", dataset="tests.datasets:Squares", batch_size=5).fingerprint()
+    )
 
 
 # Each conflict torch's DataLoader rejects: (spec options, the dataset).
@@ -119,16 +142,19 @@ CONFLICTS: list[tuple[dict[str, Any], str]] = [
     ({"batch_sampler": "tests.datasets:GrowingBatches", "batch_size": 4}, "Squares"),
     ({"batch_sampler": "tests.datasets:GrowingBatches", "shuffle": True}, "Squares"),
     ({"batch_sampler": "tests.datasets:GrowingBatches", "drop_last": True}, "Squares"),
-    ({"batch_sampler": "tests.datasets:GrowingBatches",
-      "sampler": "tests.datasets:Reversed"}, "Squares"),
+    (
+        {"batch_sampler": "tests.datasets:GrowingBatches", "sampler": "tests.datasets:Reversed"},
+        "Squares",
+    ),
     ({"batch_size": None, "drop_last": True}, "Squares"),
     ({"batch_size": 0}, "Squares"),
 ]
 
 
 @pytest.mark.parametrize(("options", "dataset"), CONFLICTS)
-def test_option_conflicts_fail_at_start_with_torchs_message(options: dict[str, Any],
-                                                            dataset: str) -> None:
+def test_option_conflicts_fail_at_start_with_torchs_message(
+    options: dict[str, Any], dataset: str
+) -> None:
     ds = getattr(datasets, dataset)()
     torch_kwargs = {
         k: (resolve(v)(ds) if k in ("sampler", "batch_sampler") else v) for k, v in options.items()

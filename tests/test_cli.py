@@ -1,0 +1,97 @@
+"""`remote-loader serve` and `demo` as processes, as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from remote_loader.client import RemoteLoader
+from tests.conftest import ROOT, serve_process, stop_process
+
+SQUARES_FLAGS = (
+    "--dataset",
+    "tests.datasets:Squares",
+    "--batch-size",
+    "5",
+    "--shuffle",
+    "--num-workers",
+    "1",
+    "--seed",
+    "3",
+)
+
+
+def _order(address: str, epoch: int) -> list[int]:
+    with RemoteLoader(address) as loader:
+        loader.set_epoch(epoch)
+        return torch.cat([b["index"] for b in loader]).tolist()
+
+
+def test_same_seed_and_epoch_same_order_from_two_servers() -> None:
+    first, a = serve_process(*SQUARES_FLAGS)
+    second, b = serve_process(*SQUARES_FLAGS)
+    try:
+        assert _order(a, 0) == _order(b, 0)
+        assert _order(a, 1) == _order(b, 1)
+        assert _order(a, 0) != _order(a, 1)
+        assert sorted(_order(b, 2)) == list(range(50))
+    finally:
+        for proc in (first, second):
+            code, err = stop_process(proc)
+            assert code == 0, err
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remote_loader.server.cli",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_option_conflict_in_config_fails_start(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[loaders.a]\ndataset = "tests.datasets:Squares"\npersistent_workers = true\n'
+    )
+    result = _serve("--config", str(config))
+    assert result.returncode == 2
+    assert "ValueError: persistent_workers option needs num_workers > 0" in result.stderr
+
+
+def test_bad_import_path_fails_start(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[loaders.a]\ndataset = "tests.datasets:Nope"\n')
+    result = _serve("--config", str(config))
+    assert result.returncode == 2
+    assert "module 'tests.datasets' has no attribute 'Nope'" in result.stderr
+
+
+def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "remote_loader.server.cli", "demo", "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo passed" in result.stdout
+    assert result.stdout.count("exactly once in each of 1 epoch(s): yes") == 2
+    assert "trainer 1" in result.stderr  # the progress bars
+    assert time.monotonic() - started < 60

@@ -1,0 +1,77 @@
+"""Client-side behaviour that needs no GPU: arguments, CPU fallback, closing, timeouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import StartServer
+
+SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"prefetch": 0}, ValueError, "prefetch must be a positive integer"),
+        ({"timeout": 0}, ValueError, "timeout must be positive"),
+        ({"seed": "1"}, TypeError, "seed must be an int"),
+        ({"device": "meta"}, ValueError, "device must be 'cpu' or a CUDA device"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        RemoteLoader("127.0.0.1:1", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is absent")
+def test_cpu_fallback(start_server: StartServer) -> None:
+    address = start_server(SQUARES)
+    with pytest.raises(RemoteLoaderError, match="CUDA is not available"):
+        RemoteLoader(address, device="cuda")
+    with RemoteLoader(address, pin_memory=True) as loader:
+        assert loader.device == torch.device("cpu") and not loader.pin_memory
+        batch = next(iter(loader))
+        assert batch["x"].device.type == "cpu" and not batch["x"].is_pinned()
+
+
+def test_close_and_context_manager(start_server: StartServer) -> None:
+    address = start_server(SQUARES)
+    loader = RemoteLoader(address)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    loader.close()  # idempotent
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+    assert "closed" in repr(loader)
+
+
+def test_new_iter_replaces_the_running_stream(start_server: StartServer) -> None:
+    address = start_server(SQUARES)
+    with RemoteLoader(address) as loader:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)  # epoch 1, like a DataLoader's single iterator
+        assert second.epoch == 1
+        assert len(list(second)) == 13
+        with pytest.raises(StopIteration):
+            next(first)
+
+
+def test_timeout_names_the_batch(start_server: StartServer) -> None:
+    spec = LoaderSpec(
+        name="slow", dataset="tests.datasets:Slow", batch_size=1, dataset_kwargs={"seconds": 2.0}
+    )
+    address = start_server(spec)
+    with (
+        RemoteLoader(address, timeout=0.3) as loader,
+        pytest.raises(
+            LoaderTimeoutError, match=r"timed out after 0\.3 seconds waiting for batch 0 of epoch 0"
+        ),
+    ):
+        next(iter(loader))
