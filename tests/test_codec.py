@@ -435,9 +435,9 @@ MALFORMED = {
 
 @pytest.mark.parametrize("name", MALFORMED)
 def test_malformed_headers_raise_decode_error(name: str) -> None:
-    header, message = MALFORMED[name]
-    if isinstance(header, loader_pb2.Node):
-        header = header.SerializeToString()
+    node, message = MALFORMED[name]
+    header = node.SerializeToString() if isinstance(node, loader_pb2.Node) else node
+    assert isinstance(header, bytes)
     with pytest.raises(codec.DecodeError, match=message):
         codec.decode(header, torch.zeros(64, dtype=torch.uint8))
 
