@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
+from remote_loader.server.cli import spawn_serve
 from remote_loader.server.spec import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,15 +210,7 @@ def start_loader_server(
     dataset: str, n: int, batch_size: int, workers: int
 ) -> tuple[subprocess.Popen[str], str]:
     """`remote-loader serve` for one dataset as a separate process; returns it and its address."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "remote_loader.server.cli",
-        "serve",
-        "--address",
-        "127.0.0.1:0",
-        "--log-level",
-        "WARNING",
+    flags = [
         "--dataset",
         dataset,
         "--dataset-kwargs",
@@ -229,12 +222,7 @@ def start_loader_server(
         "--persistent-workers",
     ]
     # stderr is inherited: server warnings and errors show up beside the table.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=subprocess_env())
-    try:
-        port = _port(_read_banner(proc, "the loader server"), "the loader server")
-    except BaseException:
-        stop_process(proc)
-        raise
+    proc, port = spawn_serve(flags, env=subprocess_env())
     return proc, f"127.0.0.1:{port}"
 
 

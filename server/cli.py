@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from remote_loader.protos import wire
@@ -113,7 +114,14 @@ def _serve(args: argparse.Namespace) -> int:
 # --- demo -------------------------------------------------------------------------------------
 
 
-def _start_server(batch_size: int, num_workers: int) -> tuple[subprocess.Popen[str], int]:
+def spawn_serve(
+    args: Sequence[str], env: Mapping[str, str] | None = None, stderr: int | None = None
+) -> tuple[subprocess.Popen[str], int]:
+    """Starts `remote-loader serve ARGS --address 127.0.0.1:0` as a process.
+
+    Returns the process and the port it listens on, read from its first line of output; raises
+    RuntimeError (with the server's stderr, when piped) if it exits before serving.
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -123,6 +131,37 @@ def _start_server(batch_size: int, num_workers: int) -> tuple[subprocess.Popen[s
         "127.0.0.1:0",
         "--log-level",
         "WARNING",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=None if env is None else dict(env),
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "remote-loader: serving NAMES on port N", or EOF on failure
+    match = re.search(r"on port (\d+)$", line.strip())
+    if match is None:
+        proc.kill()
+        _, err = proc.communicate()
+        raise RuntimeError(
+            f"remote-loader serve did not start (exit code {proc.returncode})"
+            + (f": {err.strip()}" if err else "")
+        )
+    return proc, int(match.group(1))
+
+
+def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> int:
+    """Starts a server and `trainers` trainer processes, shows their progress, checks the data."""
+    from tqdm import tqdm
+
+    from remote_loader.server.datasets import demo_folder
+
+    print(f"remote-loader demo: images in {demo_folder()}", flush=True)
+    started = time.monotonic()
+    flags = [
         "--dataset",
         DEMO_DATASET,
         "--name",
@@ -136,25 +175,8 @@ def _start_server(batch_size: int, num_workers: int) -> tuple[subprocess.Popen[s
         str(num_workers),
     ]
     if num_workers > 0:
-        cmd.append("--persistent-workers")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # "remote-loader: serving demo on port N"
-    if not line.strip().split(" ")[-1].isdigit():
-        proc.kill()
-        raise RuntimeError(f"the demo server did not start (exit code {proc.wait()})")
-    return proc, int(line.split()[-1])
-
-
-def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> int:
-    """Starts a server and `trainers` trainer processes, shows their progress, checks the data."""
-    from tqdm import tqdm
-
-    from remote_loader.server.datasets import demo_folder
-
-    print(f"remote-loader demo: images in {demo_folder()}", flush=True)
-    started = time.monotonic()
-    server, port = _start_server(batch_size, num_workers)
+        flags.append("--persistent-workers")
+    server, port = spawn_serve(flags)
     reports: dict[int, dict[str, Any]] = {}
     try:
         procs = [

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from remote_loader.server.cli import spawn_serve
 from remote_loader.server.service import build_hosts, create_server
 from remote_loader.server.spec import LoaderSpec
 
@@ -52,32 +51,10 @@ def start_server() -> Iterator[StartServer]:
 
 
 def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
-    """`remote-loader serve ARGS --address 127.0.0.1:0` as a process; returns it and its address."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "remote_loader.server.cli",
-            "serve",
-            "--address",
-            "127.0.0.1:0",
-            "--log-level",
-            "WARNING",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    match = re.search(r"on port (\d+)", line)
-    if not match:
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r} {proc.communicate()[1]}")
-    return proc, f"127.0.0.1:{match.group(1)}"
+    """`remote-loader serve ARGS` on port 0 as a process; returns it and its address."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # workers import tests.datasets
+    proc, port = spawn_serve(args, env=env, stderr=subprocess.PIPE)
+    return proc, f"127.0.0.1:{port}"
 
 
 def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
