@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import re
+import select
 import subprocess
 import sys
 import threading
@@ -114,6 +115,25 @@ def _serve(args: argparse.Namespace) -> int:
 # --- demo -------------------------------------------------------------------------------------
 
 
+# How long a spawned server may take to build its loaders and start listening.
+SERVE_START_TIMEOUT = 120.0
+# How long the demo waits for a trainer before it stops it.
+DEMO_TRAINER_TIMEOUT = 600.0
+
+
+def serve_command(args: Sequence[str]) -> list[str]:
+    """The command line of `remote-loader serve ARGS` listening on 127.0.0.1, port 0."""
+    return [
+        sys.executable,
+        "-m",
+        "remote_loader.server.cli",
+        "serve",
+        "--address",
+        "127.0.0.1:0",
+        *args,
+    ]
+
+
 def spawn_serve(
     args: Sequence[str], env: Mapping[str, str] | None = None, stderr: int | None = None
 ) -> tuple[subprocess.Popen[str], int]:
@@ -122,26 +142,17 @@ def spawn_serve(
     Returns the process and the port it listens on, read from its first line of output; raises
     RuntimeError (with the server's stderr, when piped) if it exits before serving.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "remote_loader.server.cli",
-        "serve",
-        "--address",
-        "127.0.0.1:0",
-        "--log-level",
-        "WARNING",
-        *args,
-    ]
     proc = subprocess.Popen(
-        cmd,
+        [*serve_command(args), "--log-level", "WARNING"],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
         env=None if env is None else dict(env),
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # "remote-loader: serving NAMES on port N", or EOF on failure
+    # Bounded: a server stuck before it listens must not hang the caller.
+    ready, _, _ = select.select([proc.stdout], [], [], SERVE_START_TIMEOUT)
+    line = proc.stdout.readline() if ready else ""  # "remote-loader: serving ... on port N"
     match = re.search(r"on port (\d+)$", line.strip())
     if match is None:
         proc.kill()
@@ -219,7 +230,7 @@ def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> i
         threads = [threading.Thread(target=follow, args=(r, p)) for r, p in enumerate(procs)]
         for t in threads:
             t.start()
-        codes = [p.wait() for p in procs]
+        codes = [_wait_or_kill(p, DEMO_TRAINER_TIMEOUT) for p in procs]
         for t in threads:
             t.join()
         for bar in bars:
@@ -228,6 +239,14 @@ def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> i
         server.terminate()
         server.wait(timeout=30)
     return _summary(reports, codes, time.monotonic() - started, epochs)
+
+
+def _wait_or_kill(proc: subprocess.Popen[str], timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _summary(

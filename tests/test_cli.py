@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.server.cli import serve_command
 from tests.conftest import ROOT, serve_process, stop_process
 
 SQUARES_FLAGS = (
@@ -48,15 +49,7 @@ def test_same_seed_and_epoch_same_order_from_two_servers() -> None:
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "remote_loader.server.cli",
-            "serve",
-            "--address",
-            "127.0.0.1:0",
-            *args,
-        ],
+        serve_command(args),
         capture_output=True,
         text=True,
         timeout=60,
