@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from remote_loader.protos import wire
 
 DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
+SHARING_MODES = ("partition", "broadcast", "dynamic")
 
 
 class RemoteLoader:
@@ -32,6 +34,14 @@ class RemoteLoader:
     Args:
         address: the server, "host:port".
         loader: which of the server's loaders; None picks its only one.
+        rank, world_size: this consumer's place in its job. Default: the initialized
+            `torch.distributed` group, else the RANK / WORLD_SIZE environment variables, else
+            0 / 1.
+        sharing: how the job's consumers share an epoch. "partition": each rank receives its own
+            equal share (DistributedSampler semantics). "broadcast": every consumer receives
+            every batch, made once for all. "dynamic": first come, first served.
+        job: consumers with the same job name share one production of each epoch; name it
+            when several jobs use one server. Default "default".
         seed: overrides the loader's seed; an epoch's batches depend only on (spec, seed, epoch).
         device: where batches' tensors go; default the current CUDA device if there is one,
             else the CPU. numpy arrays, strings and numbers stay on the host.
@@ -51,6 +61,10 @@ class RemoteLoader:
         address: str,
         loader: str | None = None,
         *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        sharing: str = "partition",
+        job: str | None = None,
         seed: int | None = None,
         device: torch.device | str | None = None,
         pin_memory: bool = True,
@@ -64,6 +78,13 @@ class RemoteLoader:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         if seed is not None and not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if sharing not in SHARING_MODES:
+            raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
+        if job is not None and not isinstance(job, str):
+            raise TypeError(f"job must be a string or None, got {type(job).__name__}")
+        self.rank, self.world_size = _membership(rank, world_size)
+        self.sharing = sharing
+        self.job = job or ""
         self.address = address
         self.seed = seed
         self.device = _resolve_device(device)
@@ -99,7 +120,7 @@ class RemoteLoader:
             self.name = loader if loader is not None else self._only_loader(connect_timeout)
             self.info: pb.LoaderInfo = self._call(
                 self._describe,
-                pb.DescribeRequest(loader=self.name),
+                pb.DescribeRequest(loader=self.name, consumer=self._consumer()),
                 "describing the loader",
                 connect_timeout,
             )
@@ -108,6 +129,11 @@ class RemoteLoader:
             raise
 
     # --- connection ---------------------------------------------------------------------
+
+    def _consumer(self) -> pb.Consumer:
+        return pb.Consumer(
+            sharing=self.sharing, job=self.job, rank=self.rank, world_size=self.world_size
+        )
 
     def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
         try:
@@ -150,6 +176,12 @@ class RemoteLoader:
         self._epoch = epoch
 
     def __len__(self) -> int:
+        """Batches this consumer receives per epoch (its share, when partitioned)."""
+        if self.sharing == "dynamic":
+            raise TypeError(
+                "len() is unknown with sharing='dynamic': how many batches this consumer "
+                "receives depends on how fast the job's other consumers take theirs"
+            )
         if not self.info.has_length:
             raise TypeError(
                 f"loader {self.name!r} has no len(): its dataset is an "
@@ -162,7 +194,7 @@ class RemoteLoader:
             raise RuntimeError("this RemoteLoader is closed")
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
-        request = pb.StreamRequest(loader=self.name, epoch=self._epoch)
+        request = pb.StreamRequest(loader=self.name, epoch=self._epoch, consumer=self._consumer())
         if self.seed is not None:
             request.seed = self.seed
         self._iterator = _EpochIterator(self, request)
@@ -194,7 +226,10 @@ class RemoteLoader:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<RemoteLoader {self.name!r} at {self.address} epoch={self._epoch} {state}>"
+        return (
+            f"<RemoteLoader {self.name!r} at {self.address} {self.sharing} "
+            f"rank={self.rank}/{self.world_size} epoch={self._epoch} {state}>"
+        )
 
 
 class _EpochIterator(Iterator[Any]):
@@ -260,6 +295,46 @@ class _EpochIterator(Iterator[Any]):
         # Backstop only: close() / RemoteLoader.close() are the cleanup path.
         if not self._done:
             self._receiver.stop()
+
+
+def _membership(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size) as given, else torch.distributed's, else RANK / WORLD_SIZE, else 0/1."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if rank is None or world_size is None:
+        default_rank, default_size = _default_membership()
+        rank = default_rank if rank is None else rank
+        world_size = default_size if world_size is None else world_size
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank} is out of range for world_size {world_size}: "
+            f"it must be in [0, {world_size - 1}]"
+        )
+    return rank, world_size
+
+
+def _default_membership() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    values = []
+    for var, default in (("RANK", 0), ("WORLD_SIZE", 1)):
+        text = os.environ.get(var)
+        if text is None or not text.strip():
+            values.append(default)
+            continue
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ValueError(
+                f"the environment variable {var}={text!r} is not an integer; fix it or pass "
+                f"{var.lower()}= to RemoteLoader"
+            ) from None
+    return values[0], values[1]
 
 
 def _as_is(message: bytes) -> bytes:

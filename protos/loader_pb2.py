@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cloader.proto\x12\x10remote_loader.v1\"\x14\n\x12ListLoadersRequest\"$\n\x13ListLoadersResponse\x12\r\n\x05names\x18\x01 \x03(\t\"!\n\x0f\x44\x65scribeRequest\x12\x0e\n\x06loader\x18\x01 \x01(\t\"\xbb\x02\n\nLoaderInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x12\n\nhas_length\x18\x03 \x01(\x08\x12\x17\n\nbatch_size\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x64\x61taset_kind\x18\x05 \x01(\t\x12:\n\x07options\x18\x06 \x03(\x0b\x32).remote_loader.v1.LoaderInfo.OptionsEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x1b\n\x0e\x64\x61taset_length\x18\t \x01(\x04H\x01\x88\x01\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_batch_sizeB\x11\n\x0f_dataset_length\"J\n\rStreamRequest\x12\x0e\n\x06loader\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"N\n\x0bRemoteError\x12\r\n\x05where\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\"\x1c\n\tStreamEnd\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\"\xc4\x01\n\x05\x46rame\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05parts\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x05 \x01(\r\x12,\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1d.remote_loader.v1.RemoteError\x12(\n\x03\x65nd\x18\x07 \x01(\x0b\x32\x1b.remote_loader.v1.StreamEnd\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xe6\x02\n\x04Node\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12+\n\x07ndarray\x18\x02 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12\r\n\x03int\x18\x03 \x01(\x12H\x00\x12\x0f\n\x05\x66loat\x18\x04 \x01(\x01H\x00\x12\x0e\n\x04\x62ool\x18\x05 \x01(\x08H\x00\x12\r\n\x03str\x18\x06 \x01(\tH\x00\x12)\n\x05\x62ytes\x18\x07 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12\x0e\n\x04none\x18\x08 \x01(\x08H\x00\x12*\n\x04list\x18\t \x01(\x0b\x32\x1a.remote_loader.v1.SequenceH\x00\x12+\n\x05tuple\x18\n \x01(\x0b\x32\x1a.remote_loader.v1.SequenceH\x00\x12)\n\x04\x64ict\x18\x0b \x01(\x0b\x32\x19.remote_loader.v1.MappingH\x00\x42\x07\n\x05value\"F\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"1\n\x08Sequence\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.remote_loader.v1.Node\"W\n\x07Mapping\x12$\n\x04keys\x18\x01 \x03(\x0b\x32\x16.remote_loader.v1.Node\x12&\n\x06values\x18\x02 \x03(\x0b\x32\x16.remote_loader.v1.Node2\xf7\x01\n\x06Loader\x12Z\n\x0bListLoaders\x12$.remote_loader.v1.ListLoadersRequest\x1a%.remote_loader.v1.ListLoadersResponse\x12K\n\x08\x44\x65scribe\x12!.remote_loader.v1.DescribeRequest\x1a\x1c.remote_loader.v1.LoaderInfo\x12\x44\n\x06Stream\x12\x1f.remote_loader.v1.StreamRequest\x1a\x17.remote_loader.v1.Frame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cloader.proto\x12\x10remote_loader.v1\"\x14\n\x12ListLoadersRequest\"$\n\x13ListLoadersResponse\x12\r\n\x05names\x18\x01 \x03(\t\"O\n\x0f\x44\x65scribeRequest\x12\x0e\n\x06loader\x18\x01 \x01(\t\x12,\n\x08\x63onsumer\x18\x02 \x01(\x0b\x32\x1a.remote_loader.v1.Consumer\"^\n\x08\x43onsumer\x12\x0f\n\x07sharing\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x17\n\nworld_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_world_size\"\xf8\x02\n\nLoaderInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x12\n\nhas_length\x18\x03 \x01(\x08\x12\x17\n\nbatch_size\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x64\x61taset_kind\x18\x05 \x01(\t\x12:\n\x07options\x18\x06 \x03(\x0b\x32).remote_loader.v1.LoaderInfo.OptionsEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x1b\n\x0e\x64\x61taset_length\x18\t \x01(\x04H\x01\x88\x01\x01\x12\x0f\n\x07sharing\x18\n \x03(\t\x12\x19\n\x0c\x65poch_length\x18\x0b \x01(\x04H\x02\x88\x01\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_batch_sizeB\x11\n\x0f_dataset_lengthB\x0f\n\r_epoch_length\"x\n\rStreamRequest\x12\x0e\n\x06loader\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12,\n\x08\x63onsumer\x18\x04 \x01(\x0b\x32\x1a.remote_loader.v1.ConsumerB\x07\n\x05_seed\"N\n\x0bRemoteError\x12\r\n\x05where\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\"\x1c\n\tStreamEnd\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\"\xc4\x01\n\x05\x46rame\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05parts\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x05 \x01(\r\x12,\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1d.remote_loader.v1.RemoteError\x12(\n\x03\x65nd\x18\x07 \x01(\x0b\x32\x1b.remote_loader.v1.StreamEnd\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xe6\x02\n\x04Node\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12+\n\x07ndarray\x18\x02 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12\r\n\x03int\x18\x03 \x01(\x12H\x00\x12\x0f\n\x05\x66loat\x18\x04 \x01(\x01H\x00\x12\x0e\n\x04\x62ool\x18\x05 \x01(\x08H\x00\x12\r\n\x03str\x18\x06 \x01(\tH\x00\x12)\n\x05\x62ytes\x18\x07 \x01(\x0b\x32\x18.remote_loader.v1.TensorH\x00\x12\x0e\n\x04none\x18\x08 \x01(\x08H\x00\x12*\n\x04list\x18\t \x01(\x0b\x32\x1a.remote_loader.v1.SequenceH\x00\x12+\n\x05tuple\x18\n \x01(\x0b\x32\x1a.remote_loader.v1.SequenceH\x00\x12)\n\x04\x64ict\x18\x0b \x01(\x0b\x32\x19.remote_loader.v1.MappingH\x00\x42\x07\n\x05value\"F\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"1\n\x08Sequence\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.remote_loader.v1.Node\"W\n\x07Mapping\x12$\n\x04keys\x18\x01 \x03(\x0b\x32\x16.remote_loader.v1.Node\x12&\n\x06values\x18\x02 \x03(\x0b\x32\x16.remote_loader.v1.Node2\xf7\x01\n\x06Loader\x12Z\n\x0bListLoaders\x12$.remote_loader.v1.ListLoadersRequest\x1a%.remote_loader.v1.ListLoadersResponse\x12K\n\x08\x44\x65scribe\x12!.remote_loader.v1.DescribeRequest\x1a\x1c.remote_loader.v1.LoaderInfo\x12\x44\n\x06Stream\x12\x1f.remote_loader.v1.StreamRequest\x1a\x17.remote_loader.v1.Frame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTLOADERSRESPONSE']._serialized_start=56
   _globals['_LISTLOADERSRESPONSE']._serialized_end=92
   _globals['_DESCRIBEREQUEST']._serialized_start=94
-  _globals['_DESCRIBEREQUEST']._serialized_end=127
-  _globals['_LOADERINFO']._serialized_start=130
-  _globals['_LOADERINFO']._serialized_end=445
-  _globals['_LOADERINFO_OPTIONSENTRY']._serialized_start=365
-  _globals['_LOADERINFO_OPTIONSENTRY']._serialized_end=411
-  _globals['_STREAMREQUEST']._serialized_start=447
-  _globals['_STREAMREQUEST']._serialized_end=521
-  _globals['_REMOTEERROR']._serialized_start=523
-  _globals['_REMOTEERROR']._serialized_end=601
-  _globals['_STREAMEND']._serialized_start=603
-  _globals['_STREAMEND']._serialized_end=631
-  _globals['_FRAME']._serialized_start=634
-  _globals['_FRAME']._serialized_end=830
-  _globals['_NODE']._serialized_start=833
-  _globals['_NODE']._serialized_end=1191
-  _globals['_TENSOR']._serialized_start=1193
-  _globals['_TENSOR']._serialized_end=1263
-  _globals['_SEQUENCE']._serialized_start=1265
-  _globals['_SEQUENCE']._serialized_end=1314
-  _globals['_MAPPING']._serialized_start=1316
-  _globals['_MAPPING']._serialized_end=1403
-  _globals['_LOADER']._serialized_start=1406
-  _globals['_LOADER']._serialized_end=1653
+  _globals['_DESCRIBEREQUEST']._serialized_end=173
+  _globals['_CONSUMER']._serialized_start=175
+  _globals['_CONSUMER']._serialized_end=269
+  _globals['_LOADERINFO']._serialized_start=272
+  _globals['_LOADERINFO']._serialized_end=648
+  _globals['_LOADERINFO_OPTIONSENTRY']._serialized_start=551
+  _globals['_LOADERINFO_OPTIONSENTRY']._serialized_end=597
+  _globals['_STREAMREQUEST']._serialized_start=650
+  _globals['_STREAMREQUEST']._serialized_end=770
+  _globals['_REMOTEERROR']._serialized_start=772
+  _globals['_REMOTEERROR']._serialized_end=850
+  _globals['_STREAMEND']._serialized_start=852
+  _globals['_STREAMEND']._serialized_end=880
+  _globals['_FRAME']._serialized_start=883
+  _globals['_FRAME']._serialized_end=1079
+  _globals['_NODE']._serialized_start=1082
+  _globals['_NODE']._serialized_end=1440
+  _globals['_TENSOR']._serialized_start=1442
+  _globals['_TENSOR']._serialized_end=1512
+  _globals['_SEQUENCE']._serialized_start=1514
+  _globals['_SEQUENCE']._serialized_end=1563
+  _globals['_MAPPING']._serialized_start=1565
+  _globals['_MAPPING']._serialized_end=1652
+  _globals['_LOADER']._serialized_start=1655
+  _globals['_LOADER']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

@@ -17,13 +17,27 @@ class ListLoadersResponse(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("loader",)
+    __slots__ = ("loader", "consumer")
     LOADER_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
     loader: str
-    def __init__(self, loader: _Optional[str] = ...) -> None: ...
+    consumer: Consumer
+    def __init__(self, loader: _Optional[str] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ...) -> None: ...
+
+class Consumer(_message.Message):
+    __slots__ = ("sharing", "job", "rank", "world_size")
+    SHARING_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    sharing: str
+    job: str
+    rank: int
+    world_size: int
+    def __init__(self, sharing: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class LoaderInfo(_message.Message):
-    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length")
+    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length", "sharing", "epoch_length")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +54,8 @@ class LoaderInfo(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DATASET_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHARING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
     has_length: bool
@@ -49,17 +65,21 @@ class LoaderInfo(_message.Message):
     seed: int
     fingerprint: str
     dataset_length: int
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ...) -> None: ...
+    sharing: _containers.RepeatedScalarFieldContainer[str]
+    epoch_length: int
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed")
+    __slots__ = ("loader", "epoch", "seed", "consumer")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    consumer: Consumer
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("where", "type", "message", "traceback")

@@ -1,4 +1,4 @@
-"""One hosted loader: its spec, a dataset built in the server process, and how it runs an epoch.
+"""One hosted loader: its spec, a dataset built in the server process, and its Runs.
 
 The server-side dataset instance answers len() and kind, validates the options against torch at
 start-up and does the loading when num_workers = 0; workers build their own instances.
@@ -6,20 +6,82 @@ start-up and does the loading when num_workers = 0; workers build their own inst
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import multiprocessing.context
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from remote_loader.protos import codec
-from remote_loader.server.pool import Delivery, WorkerPool
-from remote_loader.server.sampling import Batching, EpochPlan, build_dataloader, plan_epoch
+from remote_loader.server.pool import Delivery, Outcome, WorkerPool
+from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
+from remote_loader.server.sharing import Consumer, Engine, Membership, Runs
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import Fetcher, RemoteError, build_dataset, seed_rngs
 
 log = logging.getLogger(__name__)
+
+
+class InlineEngine:
+    """num_workers = 0: the Run's own thread loads, one batch at a time, in the server process.
+
+    torch does not seed the main process; here it is seeded as worker 0 would be, so the epoch is
+    still a function of (seed, epoch). The RNGs are process-global: concurrent Runs of such
+    loaders share them.
+    """
+
+    max_outstanding = 1
+    broken = False
+
+    def __init__(self, spec: LoaderSpec, dataset: Any, batching: Batching) -> None:
+        self._spec = spec
+        self._dataset = dataset
+        self._batching = batching
+        self._queue: collections.deque[tuple[int, Any]] = collections.deque()
+        self._fetcher: Fetcher | None = None
+        self.outstanding = 0
+
+    def begin_epoch(self, base_seed: int) -> None:
+        seed_rngs(base_seed, 0)
+        collate_fn = self._batching.collate_fn(self._spec)
+        self._fetcher = Fetcher(self._dataset, self._batching, collate_fn)
+        self._queue.clear()
+        self.outstanding = 0
+
+    def submit(self, task_id: int, indices: Any) -> bool:
+        assert self._fetcher is not None
+        if self._fetcher.ended:
+            return False
+        self._queue.append((task_id, indices))
+        self.outstanding += 1
+        return True
+
+    def poll(self, timeout: float = 0.0) -> Outcome | None:
+        if not self._queue:
+            return None
+        assert self._fetcher is not None
+        task_id, indices = self._queue.popleft()
+        self.outstanding -= 1
+        try:
+            batch = self._fetcher.fetch(indices)
+            encoded = codec.encode(batch)
+        except StopIteration:
+            return Outcome(task_id, None)
+        except Exception as exc:
+            return Outcome(
+                task_id, Delivery(error=RemoteError.capture("in the server process", exc))
+            )
+        return Outcome(
+            task_id,
+            Delivery(blob=memoryview(encoded.to_bytes()), header_nbytes=len(encoded.header)),
+        )
+
+    def end_epoch(self) -> None:
+        self._queue.clear()
+        self.outstanding = 0
 
 
 class LoaderHost:
@@ -35,10 +97,15 @@ class LoaderHost:
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
         self._ctx = ctx
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._persistent: WorkerPool | None = None
-        self._persistent_busy = False
+        self._persistent_job: str | None = None  # the job whose Run holds it, None when free
         self._closed = False
+        self.runs = Runs(
+            spec,
+            lambda seed, epoch, world_size: plan_epoch(spec, self.dataset, seed, epoch, world_size),
+            self._lease,
+        )
 
     def __len__(self) -> int:
         """Batches per epoch, as torch's `len(DataLoader)` (TypeError for an unsized dataset)."""
@@ -48,10 +115,28 @@ class LoaderHost:
     def dataset_kind(self) -> str:
         return "iterable" if self.batching.is_iterable else "map"
 
+    def length(self, membership: Membership) -> int:
+        """Batches `membership`'s consumer receives per epoch; TypeError when unknown."""
+        if membership.sharing == "dynamic":
+            raise TypeError("with dynamic sharing it depends on the other consumers")
+        world_size = membership.world_size if membership.sharing == "partition" else 1
+        return epoch_length(self._loader, self.spec, world_size)
+
+    def check(self, membership: Membership) -> None:
+        """Raises SharingError when this loader refuses `membership`."""
+        membership.check(self.spec, self.batching.is_iterable)
+
+    def attach(self, membership: Membership, seed: int, epoch: int) -> Consumer:
+        """A consumer of this epoch (see NOTE [ Sharing ] in server/sharing.py)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"loader {self.spec.name!r} is closed")
+        return self.runs.attach(membership, seed, epoch)
+
     def start(self) -> None:
         """Starts the persistent workers, if the spec asks for them (before the gRPC server)."""
         if self.spec.persistent_workers and self.spec.num_workers > 0:
-            with self._lock:
+            with self._cond:
                 self._persistent = self._new_pool()
 
     def _new_pool(self) -> WorkerPool:
@@ -60,80 +145,73 @@ class LoaderHost:
         return pool
 
     @contextlib.contextmanager
-    def _lease_pool(self) -> Iterator[WorkerPool]:
-        """The persistent pool when it is free, else a pool for this epoch only.
+    def _lease(self, job: str) -> Iterator[Engine]:
+        """The engine for one Run: in-process loading, the persistent pool, or a pool of its own.
 
-        A persistent pool serves one epoch at a time (its workers' RNGs are per epoch); a second
-        concurrent stream of the same loader gets workers of its own.
+        A persistent pool runs one epoch at a time (its workers' RNGs are per epoch). While a Run
+        of the same job holds it, a new Run waits for it, up to detach_timeout: that is the next
+        epoch of the same trainers, whose slowest rank is finishing the last one. A Run of
+        another job gets workers of its own at once.
         """
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"loader {self.spec.name!r} is closed")
-            pool = None
-            if self._persistent is not None and not self._persistent_busy:
-                pool, self._persistent_busy = self._persistent, True
-        if pool is not None:
+        if self.spec.num_workers == 0:
+            yield InlineEngine(self.spec, self.dataset, self.batching)
+            return
+        pool = self._take_persistent(job)
+        if pool is None:
+            pool = self._new_pool()
             try:
                 yield pool
             finally:
-                with self._lock:
-                    self._persistent_busy = False
-                    broken = pool.broken
-                    if broken:
-                        self._persistent = None
-                if broken:  # a worker died: replace the pool rather than run on with a hole
-                    pool.shutdown()
-                    if not self._closed:
-                        log.warning("loader %r: restarting its persistent workers", self.spec.name)
-                        replacement = self._new_pool()
-                        with self._lock:
-                            self._persistent = replacement
+                pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
             return
-        pool = self._new_pool()
         try:
             yield pool
         finally:
-            pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
+            self._give_back(pool)
 
-    @contextlib.contextmanager
-    def epoch(
-        self, seed: int, epoch: int, cancelled: threading.Event
-    ) -> Iterator[Iterator[Delivery]]:
-        """The batches of one epoch, produced while the context is open."""
-        plan = plan_epoch(self.spec, self.dataset, seed, epoch)
-        if self.spec.num_workers == 0:
-            yield self._run_in_process(plan, cancelled)
+    def _take_persistent(self, job: str) -> WorkerPool | None:
+        deadline = time.monotonic() + self.spec.detach_timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError(f"loader {self.spec.name!r} is closed")
+                if self._persistent is None:
+                    return None
+                if self._persistent_job is None:
+                    self._persistent_job = job
+                    return self._persistent
+                remaining = deadline - time.monotonic()
+                if self._persistent_job != job or remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def _give_back(self, pool: WorkerPool) -> None:
+        with self._cond:
+            self._persistent_job = None
+            broken = pool.broken
+            if broken:
+                self._persistent = None
+            self._cond.notify_all()
+        if not broken:
             return
-        with self._lease_pool() as pool:
-            deliveries = pool.run_epoch(plan, cancelled)
-            try:
-                yield deliveries
-            finally:
-                deliveries.close()  # hands its slots back and abandons its queued tasks
-
-    def _run_in_process(self, plan: EpochPlan, cancelled: threading.Event) -> Iterator[Delivery]:
-        # num_workers = 0: the stream's thread loads. torch does not seed the main process; here
-        # it is seeded as worker 0 would be, so the epoch is still a function of (seed, epoch).
-        # The RNGs are process-global: concurrent streams of such loaders share them.
-        seed_rngs(plan.base_seed, 0)
-        fetcher = Fetcher(self.dataset, self.batching, self.batching.collate_fn(self.spec))
-        for position, indices in enumerate(plan.tasks):
-            if cancelled.is_set():
+        pool.shutdown()  # a worker died: replace the pool rather than run on with a hole
+        if self._closed:
+            return
+        log.warning("loader %r: restarting its persistent workers", self.spec.name)
+        replacement = self._new_pool()
+        with self._cond:
+            if self._closed:
+                replacement.shutdown()
                 return
-            try:
-                batch: Any = fetcher.fetch(indices)
-                encoded = codec.encode(batch)
-            except StopIteration:
-                return
-            except Exception as exc:
-                yield Delivery(position, error=RemoteError.capture("in the server process", exc))
-            else:
-                blob = memoryview(encoded.to_bytes())
-                yield Delivery(position, blob=blob, header_nbytes=len(encoded.header))
+            self._persistent = replacement
+            self._cond.notify_all()
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._closed = True
+            self._cond.notify_all()
+        self.runs.close()
+        with self._cond:
             pool, self._persistent = self._persistent, None
         if pool is not None:
             pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py

@@ -1,8 +1,9 @@
 """The worker pool stage: worker processes, their index queues, the result queue, dispatch.
 
-One pool runs one epoch at a time. Its tasks go round-robin to the workers that still have data,
-at most `prefetch_factor * num_workers` in flight, and its results come back in task order
-through server/reorder.py, exactly as in torch's _MultiProcessingDataLoaderIter.
+A pool runs one epoch at a time for one Run (server/sharing.py), which decides which task comes
+next and puts results back in order. The pool sends each task to the next worker that still has
+data, round-robin as torch's _MultiProcessingDataLoaderIter does, and hands back each task's
+outcome as it completes.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import multiprocessing.context
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable
 from typing import Any
 
-from remote_loader.server.reorder import Reorderer
-from remote_loader.server.sampling import Batching, EpochPlan
+from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
     EpochStart,
@@ -34,34 +35,35 @@ from remote_loader.server.worker import (
 
 log = logging.getLogger(__name__)
 
-# How long a blocked get on the result queue waits before it checks cancellation and whether
-# the workers are alive. Short, because it bounds how fast a cancelled stream lets go.
+# How long a blocked get on the result queue waits before it checks whether the workers are
+# alive. Short, because it also bounds how fast a run notices it has been closed.
 POLL_INTERVAL = 0.1
 # How long shutdown waits for a worker to exit on its own before terminating it.
 WORKER_JOIN_TIMEOUT = 5.0
 
 # NOTE [ Pool Protocol ]
 #
-# Actors: the server thread running an epoch (`WorkerPool.run_epoch`) and `num_workers` worker
-# processes (`worker_loop`). Queues: one index queue per worker (server -> worker), one result
-# queue (workers -> server). Neither is bounded by size, both are bounded by the protocol: the
-# server has at most `prefetch_factor * num_workers` tasks outstanding, where a task stays
-# outstanding until its batch has been handed on, not merely received.
+# Actors: the thread producing a Run (server/sharing.py), which alone calls begin_epoch /
+# submit / poll / end_epoch, and `num_workers` worker processes (`worker_loop`). Queues: one
+# index queue per worker (server -> worker), one result queue (workers -> server). Neither is
+# bounded by size; both are bounded by the protocol: the Run keeps at most `max_outstanding`
+# (= prefetch_factor * num_workers) tasks submitted and not yet polled back.
 #
-#   server, per epoch                          worker
-#   -----------------                          ------
-#   current_epoch.value = key                  on EpochStart(key, base_seed):
-#   put EpochStart(key, base_seed) to all        seed random/torch/numpy from base_seed + id,
-#   put Task(key, id, indices) round-robin       set get_worker_info(), worker_init_fn (once),
-#     to active workers (prefetch window)        restart the dataset iterator
-#   get Result (timeout POLL_INTERVAL):        on Task(key, id, indices, released):
-#     on Empty: cancelled? workers alive?        mark `released` slots free
+#   server (Run thread)                        worker
+#   -------------------                        ------
+#   begin_epoch: current_epoch.value = key,    on EpochStart(key, base_seed):
+#     EpochStart(key, base_seed) to all          seed random/torch/numpy from base_seed + id,
+#   submit: Task(key, id, indices) to the        set get_worker_info(), worker_init_fn (once),
+#     next worker still active                   restart the dataset iterator
+#   poll (timeout POLL_INTERVAL):              on Task(key, id, indices, released):
+#     on Empty: workers alive? timeout?          mark `released` slots free
 #     stale epoch: release its slot              skip if key is not current_epoch.value
-#     exhausted: worker inactive, skip id        fetch + collate + encode into a free shm slot
-#     else: reorder, hand on in task order       put Result(id, slot | error | exhausted)
-#   after handing on a batch: release its      on None, or the server gone: exit
-#     slot (piggybacked on the worker's next     (checked every MP_STATUS_CHECK_INTERVAL)
-#     Task), put one more Task
+#     exhausted: that worker is inactive         fetch + collate + encode into a free shm slot
+#     else: Outcome(id, Delivery)                put Result(id, slot | error | exhausted)
+#   Delivery.release() (any thread, once the   on None, or the server gone: exit
+#     bytes are sent): slot handed back with     (checked every MP_STATUS_CHECK_INTERVAL)
+#     the worker's next Task
+#   end_epoch: current_epoch.value = -1
 #
 # Shared memory: each worker allocates its own slots (torch shared tensors, passed to the
 # server once, as file descriptors, with the Result that first uses them). A slot is read by the
@@ -71,7 +73,7 @@ WORKER_JOIN_TIMEOUT = 5.0
 #
 # NOTE [ Pool Shutdown ]
 #
-# `shutdown()` is the one cleanup path, called when a stream ends (non-persistent pools), when
+# `shutdown()` is the one cleanup path, called when a Run ends (non-persistent pools), when
 # its loader is closed (persistent pools) and when the server stops:
 #   1. current_epoch.value = -1, so workers skip whatever is still queued for them;
 #   2. put None on every index queue (workers exit after their current task);
@@ -79,29 +81,45 @@ WORKER_JOIN_TIMEOUT = 5.0
 #   4. close the queues without waiting for their feeder threads (cancel_join_thread), since a
 #      dead reader would make that wait forever.
 # A worker that finds the server gone exits by itself (see _server_alive in server/worker.py).
+# Deliveries still held by consumers stay readable: their memoryviews keep the mapped segments.
 
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited while the pool was running an epoch."""
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclasses.dataclass
 class Delivery:
-    """One batch handed on by an epoch: its encoded blob, or the error raised making it.
+    """One batch made for a Run: its encoded blob, or the error raised making it.
 
     `blob` stays valid until `release()` is called; the consumer calls it once it has copied
     the bytes out.
     """
 
-    position: int
     blob: memoryview | None = None
     header_nbytes: int = 0
     error: RemoteError | None = None
-    release: Callable[[], None] = lambda: None
+    release: Callable[[], None] = _nothing
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A submitted task came back: its Delivery, or None when the worker had run dry."""
+
+    task_id: int
+    delivery: Delivery | None
 
 
 class WorkerPool:
-    """`num_workers` worker processes for one loader spec; runs one epoch at a time."""
+    """`num_workers` worker processes for one loader spec; runs one epoch at a time.
+
+    See NOTE [ Pool Protocol ]. Only the thread producing a Run calls the epoch methods;
+    `Delivery.release` may be called from any thread.
+    """
 
     def __init__(
         self,
@@ -128,8 +146,16 @@ class WorkerPool:
         self._released: list[list[int]] = []
         self._lock = threading.Lock()  # guards _released: releases come from the stream thread
         self._closed = False
-        # Set when a worker died or a task timed out: the pool must not run another epoch.
+        # Set by the Run when a worker died or a task timed out: the pool must not run another
+        # epoch.
         self.broken = False
+        # The current epoch (begin_epoch): its key, which workers still have data, and tasks
+        # submitted and not yet polled back.
+        self._key = -1
+        self._active: list[bool] = []
+        self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
+        self.outstanding = 0
+        self._progress_at = 0.0
 
     @property
     def pids(self) -> list[int]:
@@ -187,113 +213,92 @@ class WorkerPool:
             pids = ", ".join(f"{w.pid} (exit code {w.exitcode})" for w in dead)
             raise WorkerDiedError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
 
-    def run_epoch(
-        self, plan: EpochPlan, cancelled: threading.Event
-    ) -> Generator[Delivery, None, None]:
-        """The epoch's batches, in task order (or completion order without in_order).
+    # --- one epoch (called by the Run's thread only) -------------------------------------
 
-        Stops early, leaving no work behind, when `cancelled` is set or the caller closes the
-        generator. A worker death or a `timeout` ends the epoch with an error Delivery.
-        """
+    def begin_epoch(self, base_seed: int) -> None:
+        """Reseeds the workers and restarts their dataset iterators for a new epoch."""
         if self._closed:
             raise RuntimeError("this worker pool has been shut down")
-        key = next(self._epoch_keys)
-        self._current_epoch.value = key
+        self._key = next(self._epoch_keys)
+        self._current_epoch.value = self._key
         for q in self._index_queues:
-            q.put(EpochStart(epoch_key=key, base_seed=plan.base_seed))
-        active = [True] * self.num_workers
-        worker_cycle = itertools.cycle(range(self.num_workers))
-        outstanding: dict[int, int] = {}  # task id -> worker; len() <= max_outstanding
-        reorder: Reorderer[Result] = Reorderer(in_order=self.spec.in_order)
-        next_task = 0
-        tasks_done = False
-        position = 0
+            q.put(EpochStart(epoch_key=self._key, base_seed=base_seed))
+        self._active = [True] * self.num_workers
+        self._worker_cycle = itertools.cycle(range(self.num_workers))
+        self.outstanding = 0
 
-        def put_task() -> None:
-            nonlocal next_task, tasks_done
-            if tasks_done or len(outstanding) >= self.max_outstanding:
-                return
-            for _ in range(self.num_workers):
-                worker_id = next(worker_cycle)
-                if active[worker_id]:
-                    break
-            else:
-                tasks_done = True  # every worker ran dry (IterableDataset)
-                return
-            try:
-                indices = next(plan.tasks)
-            except StopIteration:
-                tasks_done = True
-                return
-            self._index_queues[worker_id].put(
-                Task(key, next_task, indices, self._take_released(worker_id))
-            )
-            outstanding[next_task] = worker_id
-            next_task += 1
+    def submit(self, task_id: int, indices: Any) -> bool:
+        """Sends a task to the next active worker; False when every worker has run dry."""
+        for _ in range(self.num_workers):
+            worker_id = next(self._worker_cycle)
+            if self._active[worker_id]:
+                break
+        else:
+            return False
+        if self.outstanding == 0:
+            self._progress_at = time.monotonic()  # the timeout counts from here
+        self._index_queues[worker_id].put(
+            Task(self._key, task_id, indices, self._take_released(worker_id))
+        )
+        self.outstanding += 1
+        return True
 
-        try:
-            for _ in range(self.max_outstanding):
-                put_task()
-            while outstanding:
-                result = self._get(cancelled, key)
-                if result is None:
-                    return  # cancelled
-                if result.task_id not in outstanding:
-                    raise RuntimeError(f"result for task {result.task_id} that is not outstanding")
-                reorder.put(result.task_id, result)
-                for ready in reorder.ready():
-                    del outstanding[ready.task_id]
-                    if ready.exhausted:
-                        active[ready.worker_id] = False
-                    elif ready.error is not None:
-                        yield Delivery(position=position, error=ready.error)
-                        position += 1
-                    else:
-                        slot_key = (ready.worker_id, ready.slot)
-                        blob = self._slots[slot_key][: ready.total_nbytes]
-                        worker_id, slot = slot_key
-                        yield Delivery(
-                            position=position,
-                            blob=blob,
-                            header_nbytes=ready.header_nbytes,
-                            release=functools.partial(self._release, worker_id, slot),
-                        )
-                        position += 1
-                    put_task()
-        except (WorkerDiedError, TimeoutError) as exc:
-            self.broken = True
-            where = "in the server's worker pool"
-            yield Delivery(position=position, error=RemoteError.capture(where, exc))
-        finally:
-            # Abandoned or finished: workers skip what is still queued for this epoch, and a
-            # result still in flight is recognised as stale by the next epoch (_get).
-            self._current_epoch.value = -1
+    def poll(self, timeout: float = POLL_INTERVAL) -> Outcome | None:
+        """The next task to complete, or None after `timeout` seconds without one.
 
-    def _get(self, cancelled: threading.Event, key: int) -> Result | None:
-        """The next result of epoch `key`, or None once cancelled.
-
-        Every wait is bounded by POLL_INTERVAL and followed by a cancellation and liveness
-        check; `spec.timeout` (when set) bounds the whole wait like torch's `timeout`.
+        Each wait is followed by a liveness check (WorkerDiedError) and, when the spec sets
+        `timeout`, a check that some task completed within it (TimeoutError), as torch's
+        _try_get_data does.
         """
-        waited = 0.0
+        if self.outstanding == 0:
+            return None
+        deadline = time.monotonic() + timeout
         while True:
-            if cancelled.is_set():
-                return None
             try:
-                result: Result = self._result_queue.get(timeout=POLL_INTERVAL)
+                result: Result = self._result_queue.get(
+                    timeout=max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
+                )
             except queue.Empty:
-                waited += POLL_INTERVAL
                 self._check_alive()
-                if self.spec.timeout > 0 and waited >= self.spec.timeout:
+                now = time.monotonic()
+                if self.spec.timeout > 0 and now - self._progress_at >= self.spec.timeout:
                     raise TimeoutError(
                         f"DataLoader timed out after {self.spec.timeout} seconds"
                     ) from None
+                if now >= deadline:
+                    return None
                 continue
             self._accept_buffers(result)
-            if result.epoch_key == key:
-                return result
-            if result.slot >= 0:  # a batch of an abandoned epoch: the slot is free again
-                self._release(result.worker_id, result.slot)
+            if result.epoch_key != self._key:
+                if result.slot >= 0:  # a batch of an abandoned epoch: the slot is free again
+                    self._release(result.worker_id, result.slot)
+                continue
+            self.outstanding -= 1
+            self._progress_at = time.monotonic()
+            return self._outcome(result)
+
+    def _outcome(self, result: Result) -> Outcome:
+        if result.exhausted:
+            # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
+            self._active[result.worker_id] = False
+            return Outcome(result.task_id, None)
+        if result.error is not None:
+            return Outcome(result.task_id, Delivery(error=result.error))
+        blob = self._slots[(result.worker_id, result.slot)][: result.total_nbytes]
+        return Outcome(
+            result.task_id,
+            Delivery(
+                blob=blob,
+                header_nbytes=result.header_nbytes,
+                release=functools.partial(self._release, result.worker_id, result.slot),
+            ),
+        )
+
+    def end_epoch(self) -> None:
+        """Abandons what is still queued: workers skip it, and a result still in flight is
+        recognised as stale by the next epoch's poll."""
+        self._current_epoch.value = -1
+        self.outstanding = 0
 
     def shutdown(self) -> None:
         """Stops the workers. See NOTE [ Pool Shutdown ]."""

@@ -3,17 +3,23 @@
 An epoch's order is a pure function of (spec, seed, epoch): every epoch gets a fresh
 `torch.Generator().manual_seed(seed + epoch)` (the convention `DistributedSampler` uses), from
 which the workers' base seed and then the sampler's permutation are drawn in torch's order.
+
+Partitioned between `world_size` ranks, rank r's share is what a local DataLoader whose sampler
+is `DistributedSampler(dataset, world_size, r, shuffle, seed, partition_drop_last)` would give
+(the default sampler), or the loader's own order split by DistributedSampler's rule (a custom
+sampler: split by sample; a custom batch_sampler: split by batch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from remote_loader.server.spec import LoaderSpec, resolve
 
@@ -103,16 +109,71 @@ class Batching:
 
 @dataclasses.dataclass
 class EpochPlan:
-    """One epoch: the workers' base seed and the sequence of tasks (index lists, or one index)."""
+    """One epoch: the workers' base seed and, per rank, its sequence of tasks.
+
+    A task is what one worker fetch gets: a list of indices, or one index without automatic
+    batching. `lane(rank)` may be called once per rank.
+    """
 
     seed: int
     epoch: int
     base_seed: int
-    tasks: Iterator[Any]
+    world_size: int
+    lane: Callable[[int], Iterator[Any]]
+
+    @property
+    def tasks(self) -> Iterator[Any]:
+        """The whole epoch's tasks (world size 1)."""
+        return self.lane(0)
 
 
-def plan_epoch(spec: LoaderSpec, dataset: Any, seed: int, epoch: int) -> EpochPlan:
-    """The task sequence and base seed of one epoch, drawn exactly as torch draws them.
+def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> list[Any]:
+    """Rank `rank`'s share of `items`, split exactly as DistributedSampler splits a dataset.
+
+    Without drop_last the items are padded to a multiple of world_size by repeating them from
+    the start; with it the tail that does not divide evenly is dropped. Every share has the
+    same length.
+    """
+    # DistributedSampler over the list itself (not shuffled): torch's own rule, not a copy of it.
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        items,  # type: ignore[arg-type]
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=False,
+        drop_last=drop_last,
+    )
+    return [items[i] for i in sampler]
+
+
+def share_size(n: int, world_size: int, drop_last: bool) -> int:
+    """len(share(items, ...)) for len(items) == n (DistributedSampler.num_samples)."""
+    if drop_last and n % world_size:
+        return max(0, math.ceil((n - world_size) / world_size))
+    return math.ceil(n / world_size)
+
+
+def epoch_length(loader: DataLoader[Any], spec: LoaderSpec, world_size: int) -> int:
+    """Batches one rank of `world_size` receives per epoch; TypeError when unknown."""
+    if world_size == 1:
+        return len(loader)
+    if spec.batch_sampler is not None:
+        return share_size(len(loader.batch_sampler), world_size, spec.partition_drop_last)  # type: ignore[arg-type]
+    samples = share_size(len(loader.sampler), world_size, spec.partition_drop_last)  # type: ignore[arg-type]
+    if loader.batch_size is None:
+        return samples
+    if loader.drop_last:
+        return samples // loader.batch_size
+    return math.ceil(samples / loader.batch_size)
+
+
+def _draw_base_seed(generator: torch.Generator) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def plan_epoch(
+    spec: LoaderSpec, dataset: Any, seed: int, epoch: int, world_size: int = 1
+) -> EpochPlan:
+    """The tasks and base seed of one epoch, drawn exactly as torch draws them.
 
     torch's iterator first calls `iter(index_sampler)` (lazy for BatchSampler, eager for some
     custom batch samplers), then draws `base_seed` from the loader's generator, and only then
@@ -128,6 +189,62 @@ def plan_epoch(spec: LoaderSpec, dataset: Any, seed: int, epoch: int) -> EpochPl
     set_epoch = getattr(sampler, "set_epoch", None)
     if callable(set_epoch):  # DistributedSampler-style samplers reshuffle per epoch this way
         set_epoch(epoch)
-    tasks = iter(index_sampler)
-    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    return EpochPlan(seed=seed, epoch=epoch, base_seed=base_seed, tasks=tasks)
+    if world_size == 1:
+        tasks = iter(index_sampler)
+        base_seed = _draw_base_seed(generator)
+        return EpochPlan(seed, epoch, base_seed, 1, lambda rank: tasks)
+
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("an IterableDataset cannot be partitioned by the server")
+    drop = spec.partition_drop_last
+    batch_size = loader.batch_size
+    if spec.batch_sampler is not None:
+        # Split by batch: the loader's own batches of this epoch, dealt out like samples.
+        tasks = iter(index_sampler)
+        base_seed = _draw_base_seed(generator)
+        batches = list(tasks)
+        return EpochPlan(
+            seed, epoch, base_seed, world_size, lambda r: iter(share(batches, r, world_size, drop))
+        )
+
+    def batched(samples: Any) -> Iterator[Any]:
+        if batch_size is None:
+            return iter(samples)
+        return iter(BatchSampler(samples, batch_size, loader.drop_last))
+
+    if spec.sampler is None:
+        # The default sampler: exactly a local DataLoader over DistributedSampler (whose
+        # generator, like the loader's, is seeded seed + epoch; the loader's generator gives
+        # only the base seed, its first draw, since BatchSampler's iter() is lazy).
+        base_seed = _draw_base_seed(generator)
+
+        def default_lane(rank: int) -> Iterator[Any]:
+            part: DistributedSampler[Any] = DistributedSampler(
+                dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=bool(spec.shuffle),
+                seed=seed,
+                drop_last=drop,
+            )
+            part.set_epoch(epoch)
+            return batched(part)
+
+        return EpochPlan(seed, epoch, base_seed, world_size, default_lane)
+
+    # A custom sampler: its order of this epoch (drawn after the base seed, as torch draws it),
+    # split by sample, then batched per rank.
+    if batch_size is None:  # torch calls iter(sampler) before the base seed draw
+        sample_iter = iter(sampler)
+        base_seed = _draw_base_seed(generator)
+        samples = list(sample_iter)
+    else:  # ... and iter(BatchSampler) is lazy: the sampler draws after it
+        base_seed = _draw_base_seed(generator)
+        samples = list(sampler)
+    return EpochPlan(
+        seed,
+        epoch,
+        base_seed,
+        world_size,
+        lambda r: batched(share(samples, r, world_size, drop)),
+    )

@@ -22,6 +22,7 @@ import grpc
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.sharing import DEFAULT_JOB, DetachedError, Membership, SharingError
 from remote_loader.server.spec import LoaderSpec
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,21 @@ class LoaderService:
             )
         return host
 
+    def _membership(
+        self, host: LoaderHost, consumer: pb.Consumer, context: grpc.ServicerContext
+    ) -> Membership:
+        membership = Membership(
+            sharing=consumer.sharing or "partition",
+            job=consumer.job or DEFAULT_JOB,
+            rank=consumer.rank,
+            world_size=consumer.world_size if consumer.HasField("world_size") else 1,
+        )
+        try:
+            host.check(membership)
+        except SharingError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return membership
+
     def ListLoaders(
         self, request: pb.ListLoadersRequest, context: grpc.ServicerContext
     ) -> pb.ListLoadersResponse:
@@ -106,11 +122,15 @@ class LoaderService:
             seed=spec.seed,
             fingerprint=spec.fingerprint(),
         )
+        membership = self._membership(host, request.consumer, context)
+        info.sharing.extend(spec.sharing)
+        with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
+            info.epoch_length = len(host)
         try:
-            info.length = len(host)
+            info.length = host.length(membership)
             info.has_length = True
         except TypeError:
-            pass  # an IterableDataset without __len__: the length is unknown, as in torch
+            pass  # unsized IterableDataset, or dynamic sharing: the length is unknown
         if spec.batch_size is not None and spec.batch_sampler is None:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
@@ -119,6 +139,7 @@ class LoaderService:
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         host = self._host(request.loader, context)
+        membership = self._membership(host, request.consumer, context)
         seed = request.seed if request.HasField("seed") else host.spec.seed
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
@@ -126,21 +147,25 @@ class LoaderService:
         started = time.monotonic()
         batches = nbytes = 0
         completed = False  # the end frame went out: callbacks after it are not a cancellation
-        log.info(
-            "stream start loader=%s epoch=%d seed=%d peer=%s",
-            host.spec.name,
-            request.epoch,
-            seed,
-            context.peer(),
+        who = (
+            f"loader={host.spec.name} epoch={request.epoch} seed={seed} "
+            f"sharing={membership.sharing} job={membership.job} "
+            f"rank={membership.rank}/{membership.world_size}"
         )
+        log.info("stream start %s peer=%s", who, context.peer())
+        consumer = None
         try:
-            with host.epoch(seed, request.epoch, cancelled) as deliveries:
-                for delivery in deliveries:
-                    if delivery.error is not None:
-                        e = delivery.error
+            consumer = host.attach(membership, seed, request.epoch)
+            # Detach at once when the client goes, even if this thread is stuck sending.
+            context.add_callback(consumer.close)
+            shared_frames = membership.sharing == "broadcast"
+            while (entry := consumer.next(cancelled)) is not None:
+                try:
+                    if entry.error is not None:
+                        e = entry.error
                         yield wire.control_frame(
                             pb.Frame(
-                                batch=delivery.position,
+                                batch=batches,
                                 error=pb.RemoteError(
                                     where=e.where,
                                     type=e.type,
@@ -149,22 +174,28 @@ class LoaderService:
                                 ),
                             )
                         )
+                    elif shared_frames:
+                        frames = entry.frames(batches, self.chunk_size)
+                        yield from frames
+                        nbytes += sum(len(f) for f in frames)
                     else:
-                        assert delivery.blob is not None
-                        try:
-                            yield from wire.batch_frames(
-                                delivery.position,
-                                delivery.blob,
-                                delivery.header_nbytes,
-                                self.chunk_size,
-                            )
-                            nbytes += len(delivery.blob)
-                        finally:
-                            delivery.release()
-                    batches += 1
+                        blob = entry.delivery.blob
+                        assert blob is not None
+                        yield from wire.batch_frames(
+                            batches, blob, entry.delivery.header_nbytes, self.chunk_size
+                        )
+                        nbytes += len(blob)
+                finally:
+                    consumer.done(entry)
+                batches += 1
+            # Detach before the end frame: the last consumer out gives the workers back first,
+            # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
+            consumer.close()
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
+        except DetachedError as exc:
+            _abort(context, grpc.StatusCode.ABORTED, str(exc))
         except Exception as exc:
             if cancelled.is_set():
                 return
@@ -176,10 +207,11 @@ class LoaderService:
                 f"{type(exc).__name__}: {exc}",
             )
         finally:
+            if consumer is not None:
+                consumer.close()
             log.info(
-                "stream end loader=%s epoch=%d batches=%d bytes=%d seconds=%.3f%s",
-                host.spec.name,
-                request.epoch,
+                "stream end %s batches=%d bytes=%d seconds=%.3f%s",
+                who,
                 batches,
                 nbytes,
                 time.monotonic() - started,

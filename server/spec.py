@@ -20,6 +20,9 @@ from typing import Any
 # automatic batching, each sample is converted (default_convert) and sent as its own batch.
 BATCH_SIZE_NONE = "none"
 
+# The ways consumers can share a loader's epochs (server/sharing.py).
+SHARING_MODES = ("partition", "broadcast", "dynamic")
+
 
 class ConfigError(ValueError):
     """A config file or flag that cannot be turned into a loader spec."""
@@ -53,6 +56,35 @@ class LoaderSpec:
     timeout: float = 0
     in_order: bool = True
     seed: int = 0
+    # Sharing between consumers (not DataLoader options; see server/sharing.py). `sharing` lists
+    # the modes clients may ask for. `partition_drop_last` is DistributedSampler's drop_last:
+    # false pads the shares to equal length with repeated samples, true drops the tail.
+    # `broadcast_window` bounds how many batches the fastest broadcast consumer may be ahead of
+    # the slowest; `detach_timeout` is how long a stalled consumer may hold the others.
+    sharing: tuple[str, ...] = SHARING_MODES
+    partition_drop_last: bool = False
+    broadcast_window: int = 8
+    detach_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        where = f"loader {self.name!r}"
+        modes = tuple(self.sharing)
+        unknown = [m for m in modes if m not in SHARING_MODES]
+        if not modes or unknown:
+            raise ConfigError(
+                f"{where}: sharing must list one or more of {', '.join(SHARING_MODES)}, "
+                f"got {list(modes)!r}"
+            )
+        object.__setattr__(self, "sharing", modes)
+        if self.broadcast_window < 1:
+            raise ConfigError(
+                f"{where}: broadcast_window must be at least 1 batch, got {self.broadcast_window}"
+            )
+        if not self.detach_timeout > 0:
+            raise ConfigError(
+                f"{where}: detach_timeout must be a positive number of seconds, "
+                f"got {self.detach_timeout}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The spec as plain JSON values (batch_size None stays None)."""
@@ -63,7 +95,8 @@ class LoaderSpec:
 
         The name is left out (renaming a loader does not change its data); num_workers,
         prefetch_factor, persistent_workers, timeout and in_order are left out too, since batch
-        contents and order do not depend on them.
+        contents and order do not depend on them, and so are the sharing options that only
+        decide who may attach and how long they may lag.
         """
         decisive = self.to_json()
         for key in (
@@ -73,6 +106,9 @@ class LoaderSpec:
             "persistent_workers",
             "timeout",
             "in_order",
+            "sharing",
+            "broadcast_window",
+            "detach_timeout",
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
@@ -130,15 +166,21 @@ def _check_type(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where} must be a table of keyword arguments, got {value!r}")
         return dict(value)
-    if key in ("shuffle", "drop_last", "persistent_workers", "in_order"):
+    if key == "sharing":
+        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+            raise ConfigError(
+                f"{where} must be a list of modes ({', '.join(SHARING_MODES)}), got {value!r}"
+            )
+        return tuple(value)
+    if key in ("shuffle", "drop_last", "persistent_workers", "in_order", "partition_drop_last"):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
-    if key in ("num_workers", "prefetch_factor", "seed"):
+    if key in ("num_workers", "prefetch_factor", "seed", "broadcast_window"):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    if key == "timeout":
+    if key in ("timeout", "detach_timeout"):
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{where} must be a number of seconds, got {value!r}")
         return float(value)
@@ -229,6 +271,16 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=0.0)
     g.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--sharing",
+        type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),
+        default=SHARING_MODES,
+        metavar="MODE[,MODE]",
+        help="sharing modes clients may ask for (default: all of %(default)s)",
+    )
+    g.add_argument("--partition-drop-last", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--broadcast-window", type=int, default=8, metavar="BATCHES")
+    g.add_argument("--detach-timeout", type=float, default=30.0, metavar="SECONDS")
 
 
 def spec_from_args(args: argparse.Namespace) -> LoaderSpec:
