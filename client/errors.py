@@ -4,7 +4,8 @@ RemoteLoaderError
 ├── LoaderNotFoundError    the server has no such loader, or several and none was named
 ├── RequestError           the server refused a request's values (INVALID_ARGUMENT, ...)
 ├── DatasetError           a batch failed on the server; carries the remote traceback
-├── ConnectionLostError    the server cannot be reached, or the stream broke (UNAVAILABLE)
+├── ConnectionLostError    the server cannot be reached, or the stream broke (UNAVAILABLE,
+│                          ABORTED: a broadcast consumer detached for holding the others)
 ├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError)
 ├── ProtocolError          the server sent frames this client cannot read
 └── ServerError            any other failure reported by the server (INTERNAL, ...)
@@ -76,7 +77,8 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
         grpc.StatusCode.OUT_OF_RANGE,
     ):
         return RequestError(message)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    # ABORTED: the server let go of this stream (a broadcast consumer detached for stalling).
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
         return ConnectionLostError(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectionLostError(f"{what}: no answer from the server in time ({details})")

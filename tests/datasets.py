@@ -165,3 +165,45 @@ class Slow(Dataset[int]):
     def __getitem__(self, i: int) -> int:
         time.sleep(self.seconds)
         return i
+
+
+class Counted(Dataset[dict[str, Any]]):
+    """Squares that append each index they read to `log`, so a test can count the reads made in
+    any process (one small O_APPEND write per read is atomic)."""
+
+    def __init__(self, log: str, n: int = 48) -> None:
+        self.log, self.n = log, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{i}\n".encode())
+        finally:
+            os.close(fd)
+        return {"index": i, "x": torch.full((2,), float(i))}
+
+
+def read_counts(log: str) -> dict[int, int]:
+    """How often Counted read each index."""
+    counts: dict[int, int] = {}
+    if os.path.exists(log):
+        with open(log) as f:
+            for line in f:
+                counts[int(line)] = counts.get(int(line), 0) + 1
+    return counts
+
+
+class Blobs(Dataset[dict[str, Any]]):
+    """Samples of `nbytes` bytes each: big enough that gRPC flow control holds a slow reader."""
+
+    def __init__(self, n: int = 40, nbytes: int = 1 << 20) -> None:
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "data": torch.full((self.nbytes,), i % 256, dtype=torch.uint8)}

@@ -1,0 +1,537 @@
+"""Sharing one loader between consumers over real gRPC: partition, broadcast, dynamic."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.sampling import share, share_size
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ROOT, StartServer
+from tests.datasets import Squares, read_counts
+
+SEED, EPOCH, BATCH = 5, 1, 3
+
+
+def distributed(
+    n: int, world_size: int, rank: int, *, shuffle: bool, drop_last: bool = False, epoch: int = 0
+) -> list[int]:
+    """The sample indices torch's DistributedSampler (seed SEED) gives rank `rank`."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Squares(n),
+        world_size,
+        rank,
+        shuffle=shuffle,
+        seed=SEED,
+        drop_last=drop_last,
+    )
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def indices(batches: list[Any]) -> list[list[int]]:
+    return [b["index"].tolist() for b in batches]
+
+
+def run_concurrently(*consumers: Callable[[], Any], timeout: float = 60) -> list[Any]:
+    """Runs each callable in its own thread; returns their results, raising the first error."""
+    results: list[Any] = [None] * len(consumers)
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = consumers[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(consumers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[int]]]:
+    """A consumer that reads epoch EPOCH and returns its batches' indices."""
+
+    def consume() -> list[list[int]]:
+        with RemoteLoader(address, name, seed=SEED, **kwargs) as loader:
+            loader.set_epoch(EPOCH)
+            got = indices(list(loader))
+            if kwargs.get("sharing", "partition") != "dynamic":
+                assert len(loader) == len(got)
+            return got
+
+    return consume
+
+
+# --- partition ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 12, 13])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_share_splits_like_distributed_sampler(n: int, world_size: int, drop_last: bool) -> None:
+    items = [f"item{i}" for i in range(n)]
+    shares = [share(items, r, world_size, drop_last) for r in range(world_size)]
+    assert {len(s) for s in shares} == {share_size(n, world_size, drop_last)}
+    for r, part in enumerate(shares):  # rank r's share is DistributedSampler's, item for item
+        mine = distributed(n, world_size, r, shuffle=False, drop_last=drop_last)
+        assert part == [items[i] for i in mine]
+    union = [x for part in shares for x in part]
+    if drop_last:
+        assert len(set(union)) == len(union)  # no item twice: the tail was dropped
+    elif n:
+        assert set(union) == set(items)  # everything, plus repeats padding the last round
+
+
+PARTITION_SPECS = [
+    LoaderSpec(
+        name=f"n{n}-dl{int(dl)}-sh{int(sh)}-pdl{int(pdl)}",
+        dataset="tests.datasets:Squares",
+        dataset_kwargs={"n": n},
+        batch_size=BATCH,
+        drop_last=dl,
+        shuffle=sh,
+        partition_drop_last=pdl,
+    )
+    for n, dl, sh, pdl in itertools.product([12, 13], [False, True], [False, True], [False, True])
+]
+
+
+def expected_share(spec: LoaderSpec, rank: int, world_size: int) -> list[list[int]]:
+    """What rank `rank` would get from a local DataLoader (DistributedSampler for world > 1)."""
+    dataset = Squares(**spec.dataset_kwargs)
+    if world_size == 1:  # the loader's own epoch, as a local DataLoader with its generator
+        local = DataLoader(
+            dataset,
+            batch_size=BATCH,
+            shuffle=bool(spec.shuffle),
+            drop_last=spec.drop_last,
+            generator=torch.Generator().manual_seed(SEED + EPOCH),
+        )
+        return indices(list(local))
+    mine = distributed(
+        len(dataset),
+        world_size,
+        rank,
+        shuffle=bool(spec.shuffle),
+        drop_last=spec.partition_drop_last,
+        epoch=EPOCH,
+    )
+    return indices(list(DataLoader(dataset, BATCH, sampler=mine, drop_last=spec.drop_last)))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_partition_shares_are_distributed_samplers(
+    start_server: StartServer, world_size: int
+) -> None:
+    address = start_server(*PARTITION_SPECS)
+    for spec in PARTITION_SPECS:
+        shares = run_concurrently(
+            *(
+                epoch_of(address, spec.name, rank=r, world_size=world_size, job=spec.name)
+                for r in range(world_size)
+            )
+        )
+        n = spec.dataset_kwargs["n"]
+        for r, got in enumerate(shares):
+            assert got == expected_share(spec, r, world_size), (spec.name, r)
+        assert len({len(s) for s in shares}) == 1, f"{spec.name}: unequal shares"
+        union = [i for s in shares for b in s for i in b]
+        if spec.partition_drop_last:
+            assert len(union) == len(set(union)), f"{spec.name}: a sample twice"
+        elif not spec.drop_last:
+            assert set(union) == set(range(n)), f"{spec.name}: a sample missing"
+            padding = share_size(n, world_size, False) * world_size - n
+            assert len(union) == n + padding
+
+
+def test_partition_with_workers_reads_each_sample_once(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "reads")
+    spec = LoaderSpec(
+        name="counted",
+        dataset="tests.datasets:Counted",
+        dataset_kwargs={"log": log, "n": 48},
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    address = start_server(spec)
+    for epoch in range(2):  # the second epoch reuses the persistent workers
+        shares = run_concurrently(
+            *(_rank_reader(address, r, 4, epoch) for r in range(4)),
+        )
+        for r, got in enumerate(shares):
+            mine = distributed(48, 4, r, shuffle=True, epoch=epoch)
+            assert [i for b in got for i in b] == mine
+        assert {len(s) for s in shares} == {3}
+    assert read_counts(log) == {i: 2 for i in range(48)}  # once per epoch, for all four ranks
+
+
+def _rank_reader(address: str, rank: int, world_size: int, epoch: int) -> Callable[[], Any]:
+    def consume() -> list[list[int]]:
+        with RemoteLoader(address, seed=SEED, rank=rank, world_size=world_size) as loader:
+            loader.set_epoch(epoch)
+            return indices(list(loader))
+
+    return consume
+
+
+def test_partition_of_custom_samplers_splits_the_loaders_own_order(
+    start_server: StartServer,
+) -> None:
+    by_sample = LoaderSpec(
+        name="reversed",
+        dataset="tests.datasets:Squares",
+        dataset_kwargs={"n": 11},
+        batch_size=2,
+        sampler="tests.datasets:Reversed",
+    )
+    by_batch = LoaderSpec(
+        name="growing",
+        dataset="tests.datasets:Squares",
+        dataset_kwargs={"n": 20},
+        batch_sampler="tests.datasets:GrowingBatches",
+    )
+    address = start_server(by_sample, by_batch)
+    whole = epoch_of(address, "reversed")()
+    samples = [i for b in whole for i in b]
+    for r in range(3):
+        got = epoch_of(address, "reversed", rank=r, world_size=3)()
+        mine = share(samples, r, 3, drop_last=False)
+        assert got == [mine[i : i + 2] for i in range(0, len(mine), 2)]
+    batches = epoch_of(address, "growing")()  # the loader's own batches of this epoch
+    assert sorted(i for b in batches for i in b) == list(range(20))
+    for r in range(3):
+        assert epoch_of(address, "growing", rank=r, world_size=3)() == share(batches, r, 3, False)
+
+
+def test_a_slow_rank_does_not_hold_a_fast_one(start_server: StartServer, tmp_path: Path) -> None:
+    log = str(tmp_path / "reads")
+    spec = LoaderSpec(
+        name="counted",
+        dataset="tests.datasets:Counted",
+        dataset_kwargs={"log": log, "n": 40},
+        batch_size=2,
+        num_workers=2,
+    )
+    address = start_server(spec)
+    slow = RemoteLoader(address, rank=1, world_size=2, prefetch=1)
+    slow_it = iter(slow)
+    first = next(slow_it)["index"].tolist()  # rank 1 is attached, then stops reading
+    # rank 0 reads its whole share meanwhile: its lane does not wait for rank 1's.
+    with RemoteLoader(address, rank=0, world_size=2) as loader:
+        fast_share = indices(list(loader))
+    rest = indices(list(slow_it))
+    slow.close()
+    assert [first, *rest] == [[i, i + 2] for i in range(1, 40, 4)]
+    assert fast_share == [[i, i + 2] for i in range(0, 40, 4)]
+    assert read_counts(log) == {i: 1 for i in range(40)}  # one Run made both shares
+
+
+# --- broadcast ------------------------------------------------------------------------------
+
+
+def broadcast_spec(log: str, **kwargs: Any) -> LoaderSpec:
+    options: dict[str, Any] = {
+        "name": "counted",
+        "dataset": "tests.datasets:Counted",
+        "dataset_kwargs": {"log": log, "n": 60},
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": 2,
+        "broadcast_window": 3,
+    }
+    options.update(kwargs)
+    return LoaderSpec(**options)
+
+
+def local_epoch(n: int, batch_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(SEED + EPOCH)
+    return indices(list(DataLoader(Squares(n), batch_size, shuffle=True, generator=generator)))
+
+
+def test_broadcast_reads_each_sample_once_for_three(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "reads")
+    address = start_server(broadcast_spec(log))
+    got = run_concurrently(
+        *(epoch_of(address, "counted", sharing="broadcast", rank=r, world_size=3) for r in range(3))
+    )
+    assert got[0] == got[1] == got[2] == local_epoch(60, 4)
+    assert read_counts(log) == {i: 1 for i in range(60)}
+
+
+def test_broadcast_late_joiner_gets_the_whole_epoch(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "reads")
+    address = start_server(broadcast_spec(log, num_workers=0, broadcast_window=2))
+    expected = local_epoch(60, 4)
+    early = RemoteLoader(address, seed=SEED, sharing="broadcast", prefetch=1)
+    early.set_epoch(EPOCH)
+    early_it = iter(early)
+    head = [next(early_it)["index"].tolist() for _ in range(10)]  # well past the window
+    # A consumer that joins after batch 0 was retired cannot share: it gets a Run of its own
+    # and still receives the whole, identical epoch; only the data is read twice.
+    late = epoch_of(address, "counted", sharing="broadcast")()
+    tail = indices(list(early_it))
+    early.close()
+    assert head + tail == expected
+    assert late == expected
+    assert read_counts(log) == {i: 2 for i in range(60)}
+
+
+def test_broadcast_group_waits_for_its_members(start_server: StartServer, tmp_path: Path) -> None:
+    # With world_size=2 nothing is retired until both ranks have joined, so a rank that starts
+    # late still shares the production (each sample read once).
+    log = str(tmp_path / "reads")
+    address = start_server(broadcast_spec(log, num_workers=0, broadcast_window=2))
+    first = RemoteLoader(address, seed=SEED, sharing="broadcast", rank=0, world_size=2)
+    first.set_epoch(EPOCH)
+    first_it = iter(first)
+    head = [next(first_it)["index"].tolist() for _ in range(2)]
+    time.sleep(0.5)  # rank 0 is held at the window meanwhile
+    second = epoch_of(address, "counted", sharing="broadcast", rank=1, world_size=2)
+    got_second, rest = run_concurrently(second, lambda: indices(list(first_it)))
+    first.close()
+    assert head + rest == got_second == local_epoch(60, 4)
+    assert read_counts(log) == {i: 1 for i in range(60)}
+
+
+CONSUMER_SCRIPT = """
+import sys
+from remote_loader.client import RemoteLoader
+loader = RemoteLoader(sys.argv[1], sharing="broadcast", rank=2, world_size=3, prefetch=1)
+for i, batch in enumerate(loader):
+    print(i, flush=True)
+    if i >= 1:
+        input()  # stalls here until killed
+"""
+
+
+def test_broadcast_killed_consumer_does_not_stall_the_others(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "reads")
+    detach_timeout = 3.0
+    address = start_server(
+        broadcast_spec(log, num_workers=0, broadcast_window=2, detach_timeout=detach_timeout)
+    )
+    victim = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER_SCRIPT, address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert victim.stdout is not None
+        assert victim.stdout.readline().strip() == "0"  # attached, reading
+
+        def consumer(rank: int) -> Callable[[], list[list[int]]]:
+            def consume() -> list[list[int]]:
+                with RemoteLoader(address, sharing="broadcast", rank=rank, world_size=3) as ld:
+                    return indices(list(ld))
+
+            return consume
+
+        results: list[Any] = []
+        runner = threading.Thread(
+            target=lambda: results.extend(run_concurrently(consumer(0), consumer(1)))
+        )
+        started = time.monotonic()
+        runner.start()
+        time.sleep(0.5)
+        victim.send_signal(signal.SIGKILL)
+        runner.join(timeout=detach_timeout + 30)
+        elapsed = time.monotonic() - started
+    finally:
+        victim.kill()
+        victim.communicate()
+    assert not runner.is_alive()
+    assert elapsed < detach_timeout + 10, elapsed
+    assert results[0] == results[1] and len(results[0]) == 15
+
+
+def test_broadcast_stalled_consumer_is_detached(start_server: StartServer) -> None:
+    spec = LoaderSpec(
+        name="blobs",
+        dataset="tests.datasets:Blobs",
+        dataset_kwargs={"n": 60, "nbytes": 1 << 20},
+        batch_size=1,
+        broadcast_window=2,
+        detach_timeout=1.0,
+    )
+    address = start_server(spec)
+    stalled = RemoteLoader(address, sharing="broadcast", rank=2, world_size=3, prefetch=1)
+    stalled_it = iter(stalled)
+    next(stalled_it)  # joined; it reads no further while the others run
+
+    def consumer(rank: int) -> Callable[[], int]:
+        def consume() -> int:
+            with RemoteLoader(address, sharing="broadcast", rank=rank, world_size=3) as loader:
+                return sum(1 for _ in loader)
+
+        return consume
+
+    started = time.monotonic()
+    counts = run_concurrently(consumer(0), consumer(1))
+    assert counts == [60, 60]
+    assert time.monotonic() - started < 20
+    # The stalled consumer, once it reads again, gets what it had buffered, then a clear error.
+    with pytest.raises(ConnectionLostError, match=r"detached .*detach_timeout"):
+        for _ in stalled_it:
+            pass
+    stalled.close()
+
+
+# --- dynamic --------------------------------------------------------------------------------
+
+
+def test_dynamic_each_batch_once_and_the_fastest_gets_most(start_server: StartServer) -> None:
+    spec = LoaderSpec(
+        name="blobs",
+        dataset="tests.datasets:Blobs",
+        dataset_kwargs={"n": 90, "nbytes": 1 << 20},
+        batch_size=1,
+        num_workers=2,
+    )
+    address = start_server(spec)
+
+    def consumer(pause: float) -> Callable[[], list[int]]:
+        def consume() -> list[int]:
+            got = []
+            with RemoteLoader(address, sharing="dynamic", prefetch=1) as loader:
+                with pytest.raises(TypeError, match="dynamic"):
+                    len(loader)
+                for batch in loader:
+                    got.append(int(batch["index"][0]))
+                    assert int(batch["data"][0, -1]) == got[-1] % 256
+                    time.sleep(pause)
+            return got
+
+        return consume
+
+    fast, medium, slow = run_concurrently(consumer(0.0), consumer(0.02), consumer(0.1))
+    assert sorted(fast + medium + slow) == list(range(90))  # each batch exactly once
+    assert len(fast) > len(slow), (len(fast), len(medium), len(slow))
+    assert fast == sorted(fast) and slow == sorted(slow)  # each in epoch order
+
+
+# --- four at once, and what is refused ------------------------------------------------------
+
+
+def test_four_clients_stream_at_once(start_server: StartServer, tmp_path: Path) -> None:
+    log = str(tmp_path / "reads")
+    partitioned = LoaderSpec(
+        name="squares", dataset="tests.datasets:Squares", batch_size=5, num_workers=2
+    )
+    address = start_server(partitioned, broadcast_spec(log))
+    results = run_concurrently(
+        epoch_of(address, "squares", rank=0, world_size=2),
+        epoch_of(address, "squares", rank=1, world_size=2),
+        epoch_of(address, "counted", sharing="broadcast", world_size=2, rank=0),
+        epoch_of(address, "counted", sharing="broadcast", world_size=2, rank=1),
+    )
+    for r in range(2):
+        assert [i for b in results[r] for i in b] == distributed(50, 2, r, shuffle=False)
+    assert results[2] == results[3] == local_epoch(60, 4)
+
+
+def describe(address: str, **consumer: Any) -> grpc.Call:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(pb.DescribeRequest(consumer=pb.Consumer(**consumer)), timeout=10)
+    assert isinstance(info.value, grpc.Call)
+    return info.value
+
+
+def test_wrong_membership_is_invalid_argument(start_server: StartServer) -> None:
+    only_partition = LoaderSpec(
+        name="squares", dataset="tests.datasets:Squares", sharing=("partition",)
+    )
+    address = start_server(only_partition)
+    cases: dict[str, dict[str, Any]] = {
+        r"rank 2 is out of range for world_size 2: it must be in \[0, 1\]": {
+            "rank": 2,
+            "world_size": 2,
+        },
+        r"world_size must be at least 1, got 0": {"world_size": 0},
+        r"unknown sharing mode 'gossip'; the modes are partition, broadcast, dynamic": {
+            "sharing": "gossip"
+        },
+        r"does not allow sharing='broadcast'; it allows partition": {"sharing": "broadcast"},
+    }
+    for message, consumer in cases.items():
+        error = describe(address, **consumer)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = error.details() or ""
+        assert re.search(message, details), details
+    with pytest.raises(RequestError, match="does not allow sharing='dynamic'"):
+        RemoteLoader(address, sharing="dynamic")
+
+
+def test_an_iterable_dataset_is_not_partitioned(start_server: StartServer) -> None:
+    spec = LoaderSpec(name="sharded", dataset="tests.datasets:Sharded", batch_size=2, num_workers=2)
+    address = start_server(spec)
+    with pytest.raises(RequestError, match=r"cannot split.*sharing='dynamic'"):
+        RemoteLoader(address, rank=0, world_size=2)
+    halves = run_concurrently(*(lambda: _all_values(address, sharing="dynamic") for _ in range(2)))
+    assert sorted(halves[0] + halves[1]) == sorted(_all_values(address))
+
+
+def _all_values(address: str, **kwargs: Any) -> list[int]:
+    with RemoteLoader(address, **kwargs) as loader:
+        return [int(v) for b in loader for v in b]
+
+
+def test_membership_defaults_from_the_environment(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address = start_server(LoaderSpec(name="squares", dataset="tests.datasets:Squares"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with RemoteLoader(address) as loader:
+        assert (loader.rank, loader.world_size) == (1, 4)
+        assert len(loader) == 13 == len(list(loader))  # ceil(50 / 4)
+    with RemoteLoader(address, world_size=2) as loader:  # an explicit value wins
+        assert (loader.rank, loader.world_size) == (1, 2)
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK='one' is not an integer"):
+        RemoteLoader(address)
+    with pytest.raises(ValueError, match="rank 3 is out of range for world_size 2"):
+        RemoteLoader(address, rank=3, world_size=2)
+    with pytest.raises(ValueError, match="sharing must be one of"):
+        RemoteLoader(address, rank=0, world_size=1, sharing="everyone")
