@@ -123,6 +123,7 @@ class Entry:
     def __init__(self, position: int, delivery: Delivery) -> None:
         self.position = position
         self.delivery = delivery
+        self.made_at = time.monotonic()
         self._released = False
         self._frames: list[bytes] | None = None
         self._lock = threading.Lock()
@@ -542,17 +543,21 @@ class Run:
         if lane.backlog() < lane.window:
             return
         fastest = max(c.cursor for c in self.consumers)
-        now = time.monotonic()
-        if fastest == slowest:
+        if fastest == slowest or not lane.entries:
             return  # nobody is being held back
+        now = time.monotonic()
+        # A consumer is stalled from when the batch it needs was there to send (or from its
+        # last batch, if later): time spent waiting for production is not its fault.
+        available_at = lane.entries[0].made_at
         for c in list(self.consumers):
-            if c.cursor == slowest and now - c.moved_at >= self.spec.detach_timeout:
+            stalled = now - max(c.moved_at, available_at)
+            if c.cursor == slowest and stalled >= self.spec.detach_timeout:
                 log.warning(
                     "%r: detaching consumer rank %d: it sent nothing for %.1f s while "
                     "others waited (detach_timeout)",
                     self,
                     c.membership.rank,
-                    now - c.moved_at,
+                    stalled,
                 )
                 c.detached = (
                     f"detached from the broadcast of loader {self.spec.name!r}: it sent no "
