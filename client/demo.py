@@ -1,7 +1,7 @@
-"""The trainer side of `remote-loader demo`: iterates a RemoteLoader and reports on stdout.
+"""The trainer side of `remote-loader demo`: one rank iterating its share of a RemoteLoader.
 
-Prints one JSON line per event (the epoch's length, each batch, a final report), which the demo
-turns into a progress bar and a summary.
+Prints one JSON line per event (the epoch's length, each batch, a final report with the sample
+indices it received per epoch), which the demo turns into a progress bar and a summary.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 
 import torch
 
@@ -21,25 +20,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     batches = samples = nbytes = 0
-    exactly_once = True
+    received: list[list[int]] = []  # per epoch, the sample indices of this rank's share
     started = time.monotonic()
-    with RemoteLoader(args.address) as loader:
-        size = int(loader.info.dataset_length)
+    with RemoteLoader(args.address, rank=args.rank, world_size=args.world_size) as loader:
         for _ in range(args.epochs):
             print(json.dumps({"total": len(loader) * args.epochs}), flush=True)
-            seen: Counter[int] = Counter()
+            seen: list[int] = []
             for images, labels, indices in loader:
                 # A stand-in for a training step: touch every pixel once.
                 images.float().mean()
                 batches += 1
                 samples += len(labels)
                 nbytes += images.numel() * images.element_size()
-                seen.update(indices.tolist())
+                seen.extend(indices.tolist())
                 print(json.dumps({"batch": batches}), flush=True)
-            exactly_once = exactly_once and seen == Counter(range(size))
+            received.append(seen)
     print(
         json.dumps(
             {
@@ -48,7 +47,8 @@ def main() -> int:
                 "samples": samples,
                 "bytes": nbytes,
                 "seconds": time.monotonic() - started,
-                "exactly_once": exactly_once,
+                "dataset_length": int(loader.info.dataset_length),
+                "received": received,
                 "device": str(torch.device(loader.device)),
             }
         ),

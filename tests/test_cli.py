@@ -85,6 +85,11 @@ def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
-    assert result.stdout.count("exactly once in each of 1 epoch(s): yes") == 2
+    # The two trainers are the ranks of one job: each gets half of every epoch.
+    assert result.stdout.count("8 batches, 256 samples") == 2
+    assert (
+        "epoch 0: 2 equal shares of 256 samples; together every one of the 512 samples, "
+        "none twice: yes" in result.stdout
+    )
     assert "trainer 1" in result.stderr  # the progress bars
     assert time.monotonic() - started < 60
