@@ -535,3 +535,37 @@ def test_membership_defaults_from_the_environment(
         RemoteLoader(address, rank=3, world_size=2)
     with pytest.raises(ValueError, match="sharing must be one of"):
         RemoteLoader(address, rank=0, world_size=1, sharing="everyone")
+
+
+def worker_pids(loader: RemoteLoader) -> set[int]:
+    """Reads an epoch of WorkerProbe batches; returns the pids of the workers that made them."""
+    return {pid for batch in loader for pid in batch[3].tolist()}
+
+
+def test_next_epoch_of_a_job_waits_for_its_persistent_workers(start_server: StartServer) -> None:
+    spec = LoaderSpec(
+        name="probe",
+        dataset="tests.datasets:WorkerProbe",
+        dataset_kwargs={"n": 16},
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    address = start_server(spec)
+    ranks = [RemoteLoader(address, rank=r, world_size=2) for r in range(2)]
+    pids: list[set[int]] = []
+    try:
+        pids.append(worker_pids(ranks[0]))  # rank 0 is done with epoch 0 ...
+        # ... and starts epoch 1 while rank 1 has not begun epoch 0: its Run waits for the
+        # workers the job's previous Run holds, rather than starting workers of its own.
+        ahead = run_concurrently(
+            lambda: worker_pids(ranks[0]),
+            lambda: worker_pids(ranks[1]),
+        )
+        pids.extend(ahead)
+        pids.append(worker_pids(ranks[1]))
+    finally:
+        for loader in ranks:
+            loader.close()
+    assert all(len(p) == 2 for p in pids)
+    assert pids[0] == pids[1] == pids[2] == pids[3]  # the same two persistent workers throughout
