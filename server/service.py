@@ -22,7 +22,13 @@ import grpc
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.host import LoaderHost
-from remote_loader.server.sharing import DEFAULT_JOB, DetachedError, Membership, SharingError
+from remote_loader.server.sharing import (
+    DEFAULT_JOB,
+    ClosingError,
+    DetachedError,
+    Membership,
+    SharingError,
+)
 from remote_loader.server.spec import LoaderSpec
 
 log = logging.getLogger(__name__)
@@ -194,6 +200,8 @@ class LoaderService:
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
+        except ClosingError as exc:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except DetachedError as exc:
             _abort(context, grpc.StatusCode.ABORTED, str(exc))
         except Exception as exc:

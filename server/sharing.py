@@ -69,6 +69,10 @@ class DetachedError(RuntimeError):
     """This consumer was detached from its Run (ABORTED): it held the others back too long."""
 
 
+class ClosingError(DetachedError):
+    """The loader is closing (server shutdown) mid-epoch (UNAVAILABLE): never a normal end."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Membership:
     """How one consumer takes part: sharing mode, job, rank and world size."""
@@ -267,7 +271,7 @@ class Consumer:
         with run.cond:
             while True:
                 if self.detached is not None:
-                    raise DetachedError(self.detached)
+                    raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
                 if self.closed or cancelled.is_set():
                     return None
                 lane = self.lane
@@ -283,7 +287,9 @@ class Consumer:
                         lane.taken += 1
                         self._holding.append(entry)
                         return entry
-                    if lane.complete:
+                    # dynamic: not while another consumer still holds batches, which come back
+                    # here if it goes away before it has sent them.
+                    if lane.complete and lane.taken == 0:
                         return None
                 run.cond.wait(POLL_INTERVAL)
 
@@ -335,6 +341,7 @@ class Run:
         self.consumers: list[Consumer] = []
         self.ranks_joined: set[int] = set()
         self.closing = False
+        self.closed_by_server = False
         self.failure: RemoteError | None = None
         self.started_at = time.monotonic()
         self._task_ids = itertools.count()
@@ -653,8 +660,10 @@ class Runs:
             self._runs.clear()
         for run in runs:
             with run.cond:
+                run.closing = run.closed_by_server = True
+                for consumer in run.consumers:
+                    consumer.detached = f"loader {self.spec.name!r} is shutting down mid-epoch"
                 consumers = list(run.consumers)
-                run.closing = True
                 run.cond.notify_all()
             for consumer in consumers:
                 run.detach(consumer)
