@@ -127,6 +127,26 @@ SERVE_START_TIMEOUT = 120.0
 DEMO_TRAINER_TIMEOUT = 600.0
 
 
+def demo_flags(batch_size: int = 32, num_workers: int = 2) -> list[str]:
+    """`serve` flags for the demo loader: the built-in image folder, shuffled, with indices."""
+    flags = [
+        "--dataset",
+        DEMO_DATASET,
+        "--name",
+        "demo",
+        "--dataset-kwargs",
+        json.dumps({"return_index": True}),
+        "--batch-size",
+        str(batch_size),
+        "--shuffle",
+        "--num-workers",
+        str(num_workers),
+    ]
+    if num_workers > 0:
+        flags.append("--persistent-workers")
+    return flags
+
+
 def serve_command(args: Sequence[str]) -> list[str]:
     """The command line of `remote-loader serve ARGS` listening on 127.0.0.1, port 0."""
     return [
@@ -178,22 +198,7 @@ def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> i
 
     print(f"remote-loader demo: images in {demo_folder()}", flush=True)
     started = time.monotonic()
-    flags = [
-        "--dataset",
-        DEMO_DATASET,
-        "--name",
-        "demo",
-        "--dataset-kwargs",
-        json.dumps({"return_index": True}),
-        "--batch-size",
-        str(batch_size),
-        "--shuffle",
-        "--num-workers",
-        str(num_workers),
-    ]
-    if num_workers > 0:
-        flags.append("--persistent-workers")
-    server, port = spawn_serve(flags)
+    server, port = spawn_serve(demo_flags(batch_size, num_workers))
     reports: dict[int, dict[str, Any]] = {}
     try:
         procs = [

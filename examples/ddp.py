@@ -1,0 +1,160 @@
+"""DistributedDataParallel training on two CPU processes, each fed its share by one server.
+
+python examples/ddp.py                     # starts a server on the demo image folder itself
+python examples/ddp.py --epochs 3
+
+remote-loader serve --address 127.0.0.1:50051 &
+python examples/ddp.py --address 127.0.0.1:50051
+
+Each rank creates `RemoteLoader(address)` with no rank or world size: both come from the
+initialized torch.distributed group, and the server hands each rank its own share of every
+epoch, as a DistributedSampler would. At the end, rank 0 gathers the sample indices every rank
+received in epoch 0 and checks that the shares are disjoint and together cover the dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException, spawn
+from torch.nn.parallel import DistributedDataParallel
+
+from remote_loader.client import RemoteLoader
+from remote_loader.server.cli import demo_flags, spawn_serve
+
+WORLD_SIZE = 2
+CLASSES = 8  # the demo image folder's
+# Pooling to a fixed size first keeps the model independent of the loader's crop size.
+POOLED = 8
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server() -> tuple[subprocess.Popen[str], str]:
+    proc, port = spawn_serve(demo_flags())
+    return proc, f"127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)  # also closes the stdout pipe spawn_serve opened
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def say(line: str) -> None:
+    # One write per line: spawned ranks share the terminal with unbuffered stdout, and print()
+    # writes the text and its newline separately, so two ranks' lines could run together.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def check_shares(shares: list[list[int]], dataset_length: int) -> bool:
+    """Prints and checks the ranks' epoch-0 indices: DistributedSampler pads the epoch to a
+    multiple of the world size by repeating indices, so exactly that many may repeat."""
+    world = len(shares)
+    share = len(shares[0])
+    padding = share * world - dataset_length
+    counts = Counter(i for indices in shares for i in indices)
+    repeats = sum(counts.values()) - len(counts)
+    covered = set(counts) == set(range(dataset_length))
+    equal = all(len(indices) == share for indices in shares)
+    ok = equal and covered and 0 <= padding < world and repeats == padding
+    for rank, indices in enumerate(shares):
+        print(f"rank {rank} received {len(indices)} samples in epoch 0")
+    print(
+        f"shares: {world} x {share} samples for a dataset of {dataset_length} "
+        f"(padding {padding}); {repeats} repeated, union covers the dataset: "
+        f"{'yes' if covered else 'NO'}"
+    )
+    print("partition check " + ("passed" if ok else "FAILED"))
+    return ok
+
+
+def train(rank: int, address: str, epochs: int, init_method: str) -> None:
+    # Two trainers and the server's workers share the machine; torch's default of one thread
+    # per core in every process would only make them fight over the cores.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, init_method=init_method)
+    try:
+        # Seeded apart on purpose: DDP broadcasts rank 0's parameters when it wraps the model, so
+        # the replicas start equal all the same.
+        torch.manual_seed(rank)
+        model = DistributedDataParallel(
+            nn.Sequential(
+                nn.AdaptiveAvgPool2d(POOLED), nn.Flatten(), nn.Linear(3 * POOLED * POOLED, CLASSES)
+            )
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        epoch0: list[int] = []
+        # device="cpu": the model lives on the CPU (gloo), even where CUDA exists.
+        with RemoteLoader(address, device="cpu") as loader:
+            for epoch in range(epochs):
+                loader.set_epoch(epoch)  # where DistributedSampler.set_epoch would go
+                batches, total_loss = 0, 0.0
+                for images, labels, indices in loader:
+                    loss = nn.functional.cross_entropy(model(images.float() / 255), labels)
+                    optimizer.zero_grad()
+                    loss.backward()  # the all-reduce of the gradients happens here
+                    optimizer.step()
+                    batches += 1
+                    total_loss += loss.item()
+                    if epoch == 0:
+                        epoch0.extend(indices.tolist())
+                if batches != len(loader):
+                    raise RuntimeError(f"rank {rank}: {batches} batches, len() said {len(loader)}")
+                say(
+                    f"rank {rank} epoch {epoch}: {batches} batches "
+                    f"(len(loader) {len(loader)}), loss {total_loss / max(batches, 1):.3f}"
+                )
+            dataset_length = int(loader.info.dataset_length)
+        shares: list[list[int] | None] = [None] * WORLD_SIZE
+        dist.all_gather_object(shares, epoch0)
+        if rank == 0:
+            gathered = [indices for indices in shares if indices is not None]
+            if len(gathered) != WORLD_SIZE or not check_shares(gathered, dataset_length):
+                # Not an exception: the parent reports the exit code, without a traceback.
+                sys.exit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--address", default=None, help="a running server (default: start one on the demo data)"
+    )
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+
+    server, address = (None, args.address) if args.address else start_server()
+    try:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        spawn(train, args=(address, args.epochs, init_method), nprocs=WORLD_SIZE, join=True)
+    except ProcessExitedException as exc:
+        print(f"ddp example FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            stop_server(server)
+    print("ddp example passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
