@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -17,15 +17,38 @@ from remote_loader.client.errors import (
     LoaderNotFoundError,
     LoaderTimeoutError,
     RemoteLoaderError,
+    RequestError,
     map_rpc_error,
 )
-from remote_loader.client.receiver import POLL_INTERVAL, Failed, Finished, Item, Ready, Receiver
+from remote_loader.client.receiver import (
+    DEFAULT_BACKOFF,
+    POLL_INTERVAL,
+    Failed,
+    Finished,
+    Item,
+    Ready,
+    Receiver,
+)
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 
 DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_RETRIES = 5
 SHARING_MODES = ("partition", "broadcast", "dynamic")
+STATE_VERSION = 1
+_STATE_KEYS = {
+    "version": int,
+    "loader": str,
+    "fingerprint": str,
+    "seed": int,
+    "epoch": int,
+    "batches": int,
+    "sharing": str,
+    "job": str,
+    "rank": int,
+    "world_size": int,
+}
 
 
 class RemoteLoader:
@@ -51,7 +74,10 @@ class RemoteLoader:
             bound; with CUDA, at most this many + 2 pinned batches exist at once).
         timeout: seconds to wait for one batch before LoaderTimeoutError; None waits as long as
             the stream is alive.
-        connect_timeout: seconds to wait for the server when connecting.
+        connect_timeout: seconds to wait for the server when connecting (and reconnecting).
+        retries: how many times in a row a broken stream is resumed without a batch arriving
+            before the error reaches the training loop (0: never resume).
+        backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
 
     Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
     """
@@ -71,11 +97,17 @@ class RemoteLoader:
         prefetch: int = DEFAULT_PREFETCH,
         timeout: float | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = DEFAULT_BACKOFF,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+        if not backoff >= 0:
+            raise ValueError(f"backoff must be non-negative seconds, got {backoff!r}")
         if seed is not None and not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         if sharing not in SHARING_MODES:
@@ -91,13 +123,22 @@ class RemoteLoader:
         self.pin_memory = bool(pin_memory) and self.device.type == "cuda"
         self.prefetch = prefetch
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff = backoff
         self._epoch = 0
+        self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
         self._iterator: _EpochIterator | None = None
         self._closed = False
         self._channel = grpc.insecure_channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
+                # Reconnect soon after a server restart, rather than after grpc's default backoff
+                # (which grows to two minutes).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         try:
@@ -134,6 +175,14 @@ class RemoteLoader:
         return pb.Consumer(
             sharing=self.sharing, job=self.job, rank=self.rank, world_size=self.world_size
         )
+
+    def _wait_ready(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the channel to connect; False if it did not."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
 
     def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
         try:
@@ -194,12 +243,86 @@ class RemoteLoader:
             raise RuntimeError("this RemoteLoader is closed")
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
-        request = pb.StreamRequest(loader=self.name, epoch=self._epoch, consumer=self._consumer())
+        request = pb.StreamRequest(
+            loader=self.name,
+            epoch=self._epoch,
+            consumer=self._consumer(),
+            fingerprint=self.info.fingerprint,
+        )
         if self.seed is not None:
             request.seed = self.seed
-        self._iterator = _EpochIterator(self, request)
+        self._iterator = _EpochIterator(self, request, self._start)
         self._epoch += 1
+        self._start = 0
         return self._iterator
+
+    # --- resuming ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this consumer is: JSON-serialisable, for `load_state_dict` on a new loader.
+
+        `batches` counts batches yielded to the training loop (not merely prefetched). At the end
+        of an epoch the state points at the start of the next one, as torchdata's
+        StatefulDataLoader does.
+        """
+        epoch, batches = self._epoch, self._start
+        it = self._iterator
+        if it is not None and not it.finished:
+            epoch, batches = it.epoch, it.batches
+            if self.info.has_length and self.sharing != "dynamic" and batches >= len(self):
+                epoch, batches = epoch + 1, 0
+        return {
+            "version": STATE_VERSION,
+            "loader": self.name,
+            "fingerprint": self.info.fingerprint,
+            "seed": self.seed if self.seed is not None else int(self.info.seed),
+            "epoch": epoch,
+            "batches": batches,
+            "sharing": self.sharing,
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Makes the next `iter()` continue where `state` (from `state_dict()`) left off.
+
+        Raises ValueError for a state of another loader or consumer (sharing, job, rank, world
+        size) and RequestError when the server's spec changed since (its fingerprint differs).
+        """
+        for key, kind in _STATE_KEYS.items():
+            value = state.get(key) if isinstance(state, Mapping) else None
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(
+                    f"not a RemoteLoader state: {key!r} should be {kind.__name__}, got {value!r}"
+                )
+        if state["version"] != STATE_VERSION:
+            raise ValueError(f"state version {state['version']} is not {STATE_VERSION}")
+        if state["loader"] != self.name:
+            raise ValueError(
+                f"the state is of loader {state['loader']!r}, this RemoteLoader reads {self.name!r}"
+            )
+        mine = (self.sharing, self.job, self.rank, self.world_size)
+        theirs = (state["sharing"], state["job"], state["rank"], state["world_size"])
+        if mine != theirs:
+            raise ValueError(
+                "the state is of another consumer: (sharing, job, rank, world_size) = "
+                f"{theirs}, this RemoteLoader is {mine}"
+            )
+        if state["fingerprint"] != self.info.fingerprint:
+            raise RequestError(
+                f"loader {self.name!r} at {self.address} has changed since the state was saved "
+                f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
+                "resuming would not line the batches up"
+            )
+        if state["epoch"] < 0 or state["batches"] < 0:
+            raise ValueError(f"epoch and batches must be >= 0, got {dict(state)!r}")
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+        self.seed = state["seed"]
+        self._epoch = state["epoch"]
+        self._start = state["batches"]
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -235,18 +358,34 @@ class RemoteLoader:
 class _EpochIterator(Iterator[Any]):
     """One epoch's stream: a receiver thread and the bounded queue it fills."""
 
-    def __init__(self, owner: RemoteLoader, request: pb.StreamRequest) -> None:
+    def __init__(self, owner: RemoteLoader, request: pb.StreamRequest, start: int) -> None:
         self._owner = owner
         self.epoch = request.epoch
         self._queue: queue.Queue[Item] = queue.Queue(maxsize=owner.prefetch)
         self._done = False
+        self.finished = False  # the epoch's end was reached (StopIteration)
         what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
-        call = owner._stream(request, wait_for_ready=True)
+
+        def open_stream(first: int) -> Any:
+            again = pb.StreamRequest()
+            again.CopyFrom(request)
+            again.start = first
+            return owner._stream(again, wait_for_ready=True)
+
         self._receiver = Receiver(
-            call, self._queue, device=owner.device, pin=owner.pin_memory, what=what
+            open_stream,
+            self._queue,
+            device=owner.device,
+            pin=owner.pin_memory,
+            what=what,
+            start=start,
+            retries=owner.retries,
+            backoff=owner.backoff,
+            wait_ready=owner._wait_ready,
+            connect_timeout=owner.connect_timeout,
         )
         self._receiver.start()
-        self.batches = 0  # yielded so far
+        self.batches = start  # the epoch's position: batches yielded, including skipped ones
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -256,7 +395,7 @@ class _EpochIterator(Iterator[Any]):
             raise StopIteration
         item = self._get()
         if isinstance(item, Finished):
-            self._done = True
+            self._done = self.finished = True
             self._receiver.join()
             raise StopIteration
         if isinstance(item, Failed):

@@ -1,15 +1,19 @@
-"""The receiver stage: a thread that turns one stream's Frames into ready batches.
+"""The receiver stage: a thread that turns one epoch's Frames into ready batches.
 
 It copies each batch once, from the gRPC message into (pinned) host memory, starts the copy to
-the device on a side CUDA stream, and queues the batch for `RemoteLoader.__next__`.
+the device on a side CUDA stream, and queues the batch for `RemoteLoader.__next__`. When the
+stream breaks (connection reset, server restart, UNAVAILABLE) it opens a new one from the next
+batch it has not received, with bounded retries and backoff: batches are neither lost nor
+repeated, and the training loop sees an error only when the retries run out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,8 +29,18 @@ from remote_loader.client.errors import (
 )
 from remote_loader.protos import codec, wire
 
+log = logging.getLogger(__name__)
+
 # How often a blocked put or get wakes up to check whether the other side is still there.
 POLL_INTERVAL = 0.1
+# Reconnecting: the first wait, and the most any one wait grows to (it doubles per attempt).
+DEFAULT_BACKOFF = 0.5
+MAX_BACKOFF = 8.0
+# A broken stream is resumed on these codes (and when it ends without its end frame). ABORTED
+# is a broadcast consumer detached for stalling: it rejoins at its position.
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+)
 
 
 @dataclasses.dataclass
@@ -108,30 +122,64 @@ class _Assembly:
         return False
 
 
-class Receiver(threading.Thread):
-    """Reads `call` (a Stream call's raw Frames) into `out_q`, a queue of `Item`s.
+class _Broken(Exception):
+    """The stream broke in a way a new stream from the next batch can repair."""
 
-    Queue protocol: one Ready or Failed(final=False) per batch, in stream order, then exactly one
-    Finished or Failed(final=True), unless `stop()` was called. `out_q` is bounded by the
-    caller (its maxsize is the prefetch depth); puts wait for room, checking `stop()`.
+    def __init__(self, error: RemoteLoaderError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Receiver(threading.Thread):
+    """Reads an epoch's Frames into `out_q`, a queue of `Item`s.
+
+    `open_stream(start)` starts a Stream call from batch `start`. Queue protocol: one Ready or
+    Failed(final=False) per batch, in epoch order from `start`, then exactly one Finished or
+    Failed(final=True), unless `stop()` was called. `out_q` is bounded by the caller (its
+    maxsize is the prefetch depth); puts wait for room, checking `stop()`.
+
+    `wait_ready(timeout)` waits for the connection before a new stream; a stream that breaks is
+    replaced up to `retries` times in a row (a batch arriving resets the count) before the error
+    reaches the training loop.
     """
 
     def __init__(
-        self, call: Any, out_q: queue.Queue[Item], *, device: torch.device, pin: bool, what: str
+        self,
+        open_stream: Callable[[int], Any],
+        out_q: queue.Queue[Item],
+        *,
+        device: torch.device,
+        pin: bool,
+        what: str,
+        start: int = 0,
+        retries: int = 0,
+        backoff: float = DEFAULT_BACKOFF,
+        wait_ready: Callable[[float], bool] = lambda timeout: True,
+        connect_timeout: float = 10.0,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
-        self._call = call
+        self._open_stream = open_stream
         self._out_q = out_q
         self._device = device
         self._pin = pin
         self._what = what
+        self._expected = start  # the next batch to queue: a new stream starts from it
+        self._retries = retries
+        self._backoff = backoff
+        self._wait_ready = wait_ready
+        self._connect_timeout = connect_timeout
+        self.reconnects = 0
+        self._lock = threading.Lock()  # guards _call against stop() from another thread
         self._stopped = threading.Event()
+        self._call: Any = None
         self._copy_stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def stop(self) -> None:
         """Cancels the stream (the server stops producing) and ends the thread."""
         self._stopped.set()
-        self._call.cancel()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
 
     def _put(self, item: Item) -> bool:
         while not self._stopped.is_set():
@@ -143,24 +191,87 @@ class Receiver(threading.Thread):
         return False
 
     def run(self) -> None:
-        try:
-            final = self._receive(iter(self._call))
-        except grpc.RpcError as exc:
-            if self._stopped.is_set():
-                return
-            final = Failed(map_rpc_error(exc, self._what), final=True)
-        except RemoteLoaderError as exc:
-            self._call.cancel()
-            final = Failed(exc, final=True)
-        except BaseException as exc:  # a bug here must reach the training loop, not vanish
-            self._call.cancel()
-            error = ProtocolError(f"{self._what}: receiving failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            final = Failed(error, final=True)
-        self._put(final)
+        failures = 0  # breaks in a row, with no batch delivered between them
+        while True:
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                self._call = self._open_stream(self._expected)
+            before = self._expected
+            try:
+                final = self._receive(iter(self._call))
+            except _Broken as exc:
+                if self._stopped.is_set():
+                    return
+                # This break counts; batches since the last one reset the count.
+                failures = 1 if self._expected > before else failures + 1
+                if failures > self._retries:
+                    final = Failed(self._gave_up(exc.error, failures), final=True)
+                elif self._reconnect(exc.error, failures):
+                    continue
+                else:
+                    return  # stopped while waiting
+            except grpc.RpcError as exc:
+                if self._stopped.is_set():
+                    return
+                final = Failed(map_rpc_error(exc, self._what), final=True)
+            except RemoteLoaderError as exc:
+                self._call.cancel()
+                final = Failed(exc, final=True)
+            except BaseException as exc:  # a bug here must reach the training loop, not vanish
+                self._call.cancel()
+                error = ProtocolError(
+                    f"{self._what}: receiving failed: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                final = Failed(error, final=True)
+            self._put(final)
+            return
+
+    def _reconnect(self, error: RemoteLoaderError, failures: int) -> bool:
+        """Waits out the backoff and for the connection; False if stopped meanwhile."""
+        delay = min(self._backoff * 2 ** (failures - 1), MAX_BACKOFF)
+        log.warning(
+            "%s: stream broke (%s); resuming from batch %d in %.1f s (attempt %d of %d)",
+            self._what,
+            error,
+            self._expected,
+            delay,
+            failures,
+            self._retries,
+        )
+        if self._stopped.wait(delay):
+            return False
+        # Bounded: a server that does not come back costs connect_timeout per attempt.
+        self._wait_ready(self._connect_timeout)
+        self.reconnects += 1
+        return not self._stopped.is_set()
+
+    def _gave_up(self, error: RemoteLoaderError, failures: int) -> RemoteLoaderError:
+        if self._retries == 0:
+            return error
+        gave_up = ConnectionLostError(
+            f"{self._what}: the stream broke {failures} times in a row with no batch in between "
+            f"(retries={self._retries}); batches before {self._expected} were received. "
+            f"Last error: {error}"
+        )
+        gave_up.__cause__ = error
+        return gave_up
 
     def _receive(self, frames: Iterator[bytes]) -> Item:
-        expected = 0
+        """Reads one stream; raises _Broken when a new stream could take over from here."""
+        try:
+            return self._read(frames)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code in RETRYABLE and not self._stopped.is_set():
+                raise _Broken(map_rpc_error(exc, self._what)) from exc
+            raise
+        except ConnectionLostError as exc:
+            raise _Broken(exc) from exc
+
+    def _read(self, frames: Iterator[bytes]) -> Item:
+        expected = self._expected
         assembly: _Assembly | None = None
         finished: Finished | None = None
         for message in frames:
@@ -174,8 +285,8 @@ class Receiver(threading.Thread):
                 if meta.HasField("end"):
                     if meta.end.batches != expected:
                         raise ProtocolError(
-                            f"{self._what}: the server says it sent "
-                            f"{meta.end.batches} batches, {expected} arrived"
+                            f"{self._what}: the server says the epoch ends at batch "
+                            f"{meta.end.batches}, but batch {expected} is next here"
                         )
                     # Keep reading until the call completes with its status, so closing the
                     # loader afterwards does not cancel a stream that has in fact succeeded.
@@ -191,6 +302,7 @@ class Receiver(threading.Thread):
                     expected += 1
                     if not self._put(Failed(error, final=False)):
                         return Finished(expected)
+                    self._expected = expected
                     continue
                 assembly = _Assembly(meta, self._pin)
             if not assembly.add(meta, data):
@@ -200,6 +312,7 @@ class Receiver(threading.Thread):
             expected += 1
             if not self._put(ready):
                 return Finished(expected)
+            self._expected = expected
         if finished is not None or self._stopped.is_set():
             return finished or Finished(expected)
         raise ConnectionLostError(

@@ -70,16 +70,20 @@ class LoaderInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
     consumer: Consumer
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ...) -> None: ...
+    start: int
+    fingerprint: str
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("where", "type", "message", "traceback")

@@ -18,7 +18,7 @@ from typing import Any
 from remote_loader.protos import codec
 from remote_loader.server.pool import Delivery, Outcome, WorkerPool
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
-from remote_loader.server.sharing import Consumer, Engine, Membership, Runs
+from remote_loader.server.sharing import ClosingError, Consumer, Engine, Membership, Runs
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import Fetcher, RemoteError, build_dataset, seed_rngs
 
@@ -40,7 +40,7 @@ class InlineEngine:
         self._spec = spec
         self._dataset = dataset
         self._batching = batching
-        self._queue: collections.deque[tuple[int, Any]] = collections.deque()
+        self._queue: collections.deque[tuple[int, Any, int | None]] = collections.deque()
         self._fetcher: Fetcher | None = None
         self.outstanding = 0
 
@@ -51,11 +51,11 @@ class InlineEngine:
         self._queue.clear()
         self.outstanding = 0
 
-    def submit(self, task_id: int, indices: Any) -> bool:
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         assert self._fetcher is not None
         if self._fetcher.ended:
             return False
-        self._queue.append((task_id, indices))
+        self._queue.append((task_id, indices, seed))
         self.outstanding += 1
         return True
 
@@ -63,8 +63,10 @@ class InlineEngine:
         if not self._queue:
             return None
         assert self._fetcher is not None
-        task_id, indices = self._queue.popleft()
+        task_id, indices, seed = self._queue.popleft()
         self.outstanding -= 1
+        if seed is not None:
+            seed_rngs(seed, 0)
         try:
             batch = self._fetcher.fetch(indices)
             encoded = codec.encode(batch)
@@ -105,6 +107,7 @@ class LoaderHost:
             spec,
             lambda seed, epoch, world_size: plan_epoch(spec, self.dataset, seed, epoch, world_size),
             self._lease,
+            iterable=self.batching.is_iterable,
         )
 
     def __len__(self) -> int:
@@ -126,12 +129,12 @@ class LoaderHost:
         """Raises SharingError when this loader refuses `membership`."""
         membership.check(self.spec, self.batching.is_iterable)
 
-    def attach(self, membership: Membership, seed: int, epoch: int) -> Consumer:
-        """A consumer of this epoch (see NOTE [ Sharing ] in server/sharing.py)."""
+    def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
+        """A consumer of this epoch from position `start` (NOTE [ Sharing ], server/sharing.py)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"loader {self.spec.name!r} is closed")
-        return self.runs.attach(membership, seed, epoch)
+                raise ClosingError(f"loader {self.spec.name!r} is shutting down")
+        return self.runs.attach(membership, seed, epoch, start)
 
     def start(self) -> None:
         """Starts the persistent workers, if the spec asks for them (before the gRPC server)."""

@@ -227,8 +227,9 @@ class WorkerPool:
         self._worker_cycle = itertools.cycle(range(self.num_workers))
         self.outstanding = 0
 
-    def submit(self, task_id: int, indices: Any) -> bool:
-        """Sends a task to the next active worker; False when every worker has run dry."""
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
+        """Sends a task (with its per-batch seed, if any) to the next active worker; False when
+        every worker has run dry."""
         for _ in range(self.num_workers):
             worker_id = next(self._worker_cycle)
             if self._active[worker_id]:
@@ -238,7 +239,7 @@ class WorkerPool:
         if self.outstanding == 0:
             self._progress_at = time.monotonic()  # the timeout counts from here
         self._index_queues[worker_id].put(
-            Task(self._key, task_id, indices, self._take_released(worker_id))
+            Task(self._key, task_id, indices, self._take_released(worker_id), seed)
         )
         self.outstanding += 1
         return True

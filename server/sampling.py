@@ -13,6 +13,7 @@ sampler: split by sample; a custom batch_sampler: split by batch).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -164,6 +165,16 @@ def epoch_length(loader: DataLoader[Any], spec: LoaderSpec, world_size: int) -> 
     if loader.drop_last:
         return samples // loader.batch_size
     return math.ceil(samples / loader.batch_size)
+
+
+def batch_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of batch `index` of an epoch under `seeding = "per_batch"`.
+
+    A hash, not `seed + index`: neighbouring batches (and epochs) must not get overlapping RNG
+    streams, and the value must not depend on anything but (seed, epoch, index).
+    """
+    digest = hashlib.sha256(f"remote-loader:{seed}:{epoch}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def _draw_base_seed(generator: torch.Generator) -> int:

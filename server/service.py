@@ -146,22 +146,33 @@ class LoaderService:
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         host = self._host(request.loader, context)
         membership = self._membership(host, request.consumer, context)
+        if request.fingerprint and request.fingerprint != host.spec.fingerprint():
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"loader {host.spec.name!r} has changed: its spec's fingerprint is now "
+                f"{host.spec.fingerprint()}, the consumer's state was saved with "
+                f"{request.fingerprint}; resuming would not line the batches up. Start the "
+                "epoch afresh, or serve the old spec",
+            )
         seed = request.seed if request.HasField("seed") else host.spec.seed
+        start = request.start
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
         context.add_callback(cancelled.set)
         started = time.monotonic()
-        batches = nbytes = 0
+        batches = start  # the position of the next batch in this consumer's epoch
+        nbytes = 0
         completed = False  # the end frame went out: callbacks after it are not a cancellation
         who = (
             f"loader={host.spec.name} epoch={request.epoch} seed={seed} "
             f"sharing={membership.sharing} job={membership.job} "
-            f"rank={membership.rank}/{membership.world_size}"
+            f"rank={membership.rank}/{membership.world_size} start={start}"
         )
         log.info("stream start %s peer=%s", who, context.peer())
         consumer = None
         try:
-            consumer = host.attach(membership, seed, request.epoch)
+            consumer = host.attach(membership, seed, request.epoch, start)
             # Detach at once when the client goes, even if this thread is stuck sending.
             context.add_callback(consumer.close)
             shared_frames = membership.sharing == "broadcast"
@@ -220,7 +231,7 @@ class LoaderService:
             log.info(
                 "stream end %s batches=%d bytes=%d seconds=%.3f%s",
                 who,
-                batches,
+                batches - start,
                 nbytes,
                 time.monotonic() - started,
                 " (cancelled by the client)" if cancelled.is_set() and not completed else "",

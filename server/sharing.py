@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from remote_loader.protos import wire
 from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerDiedError
 from remote_loader.server.reorder import Reorderer
-from remote_loader.server.sampling import EpochPlan
+from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
 from remote_loader.server.worker import RemoteError
 
@@ -116,7 +116,7 @@ class Engine(Protocol):
     broken: bool
 
     def begin_epoch(self, base_seed: int) -> None: ...
-    def submit(self, task_id: int, indices: Any) -> bool: ...
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool: ...
     def poll(self, timeout: float = ...) -> Outcome | None: ...
     def end_epoch(self) -> None: ...
 
@@ -164,17 +164,34 @@ class Entry:
 
 
 class _Lane:
-    """One sequence of tasks and, in its order, the entries made from them."""
+    """One sequence of tasks and, in its order, the entries made from them.
 
-    def __init__(self, tasks: Iterator[Any] | None, in_order: bool, window: int) -> None:
-        self.tasks = tasks  # None: a partition lane no rank has claimed (it makes nothing)
+    A lane starts at position `start` (a resumed consumer): for a map-style dataset the tasks
+    before it are skipped without being run; an IterableDataset cannot skip, so its batches
+    before `start` are made and dropped.
+    """
+
+    def __init__(self, in_order: bool, window: int) -> None:
+        self.in_order = in_order
+        self.tasks: Iterator[Any] | None = None  # None: a partition lane no rank has claimed
         self.window = window
         self.reorder: Reorderer[Delivery | None] = Reorderer(in_order=in_order)
         self.issued = 0  # lane-local task ids handed out
         self.outstanding = 0  # submitted, not yet back
         self.produced = 0  # positions made
-        self.tasks_done = tasks is None
+        self.drop_before = 0  # positions made only to be dropped (IterableDataset resumed)
+        self.tasks_done = True
         self.abandoned = False  # a partition rank left mid-epoch: make nothing more for it
+
+    def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
+        if iterable:
+            self.drop_before = start
+        else:
+            tasks = itertools.islice(tasks, start, None)
+            self.issued = self.produced = start
+            self.reorder = Reorderer(start, in_order=self.in_order)
+        self.tasks = tasks
+        self.tasks_done = False
 
     @property
     def complete(self) -> bool:
@@ -197,8 +214,8 @@ class _Lane:
 class _QueueLane(_Lane):
     """partition and dynamic: entries wait in order; each is taken by exactly one consumer."""
 
-    def __init__(self, tasks: Iterator[Any] | None, in_order: bool, window: int) -> None:
-        super().__init__(tasks, in_order, window)
+    def __init__(self, in_order: bool, window: int) -> None:
+        super().__init__(in_order, window)
         self.pending: collections.deque[Entry] = collections.deque()
         self.taken = 0  # entries taken and not yet done with
 
@@ -208,7 +225,7 @@ class _QueueLane(_Lane):
     def add(self, delivery: Delivery) -> None:
         entry = Entry(self.produced, delivery)
         self.produced += 1
-        if self.abandoned:
+        if self.abandoned or entry.position < self.drop_before:
             entry.release()
         else:
             self.pending.append(entry)
@@ -225,17 +242,26 @@ class _QueueLane(_Lane):
 class _BroadcastLane(_Lane):
     """broadcast: entries stay until every consumer has sent them (and the window needs room)."""
 
-    def __init__(self, tasks: Iterator[Any] | None, in_order: bool, window: int) -> None:
-        super().__init__(tasks, in_order, window)
+    def __init__(self, in_order: bool, window: int) -> None:
+        super().__init__(in_order, window)
         self.entries: collections.deque[Entry] = collections.deque()
-        self.base = 0  # position of entries[0]; > 0 once anything was retired
+        self.base = 0  # position of entries[0]; > start once anything was retired
+
+    def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
+        super().begin(tasks, start, iterable)
+        self.base = start
 
     def backlog(self) -> int:
         return self.outstanding + len(self.entries)
 
     def add(self, delivery: Delivery) -> None:
-        self.entries.append(Entry(self.produced, delivery))
+        entry = Entry(self.produced, delivery)
         self.produced += 1
+        if entry.position < self.drop_before:
+            entry.release()
+            self.base = self.produced
+        else:
+            self.entries.append(entry)
 
     def entry(self, position: int) -> Entry:
         return self.entries[position - self.base]
@@ -252,12 +278,12 @@ class _BroadcastLane(_Lane):
 class Consumer:
     """One stream's handle on its Run: `next()` an entry, send it, `done()` with it."""
 
-    def __init__(self, run: Run, membership: Membership, lane: _Lane) -> None:
+    def __init__(self, run: Run, membership: Membership, lane: _Lane, start: int) -> None:
         self.run = run
         self.membership = membership
         self.lane = lane
-        self.sent = 0  # entries done with: this stream's next batch number
-        self.cursor = 0  # broadcast: the lane position this consumer reads next
+        self.sent = 0  # entries done with
+        self.cursor = start  # broadcast: the lane position this consumer reads next
         self.moved_at = time.monotonic()
         self.closed = False
         self.detached: str | None = None  # why the Run let go of this consumer
@@ -332,11 +358,15 @@ class Run:
         spec: LoaderSpec,
         plan: EpochPlan,
         lease: Callable[[], AbstractContextManager[Engine]],
+        *,
+        iterable: bool,
+        start: int = 0,
     ) -> None:
         self.key = key
         self.spec = spec
         self.plan = plan
         self._lease = lease
+        self._iterable = iterable
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
         self.ranks_joined: set[int] = set()
@@ -349,14 +379,18 @@ class Run:
         self._turn = 0  # the lane whose turn it is to submit next
         in_order = spec.in_order
         # Lane windows are set again once the engine (and its max_outstanding) is known.
+        # Partition lanes begin when their rank claims them; the others begin now, at the first
+        # consumer's start (dynamic consumers never skip: their positions are their own).
         if key.sharing == "partition":
             self.lanes: list[_Lane] = [
-                _QueueLane(None, in_order, MIN_LANE_WINDOW) for _ in range(key.world_size)
+                _QueueLane(in_order, MIN_LANE_WINDOW) for _ in range(key.world_size)
             ]
         elif key.sharing == "broadcast":
-            self.lanes = [_BroadcastLane(plan.lane(0), in_order, spec.broadcast_window)]
+            self.lanes = [_BroadcastLane(in_order, spec.broadcast_window)]
+            self.lanes[0].begin(plan.lane(0), start, iterable)
         else:
-            self.lanes = [_QueueLane(plan.lane(0), in_order, MIN_LANE_WINDOW)]
+            self.lanes = [_QueueLane(in_order, MIN_LANE_WINDOW)]
+            self.lanes[0].begin(plan.lane(0), 0, iterable)
         # broadcast with a known group: nothing is retired until all of it has joined (or
         # detach_timeout has passed), so consumers that start a little apart still share.
         self._holding_for_group = key.sharing == "broadcast" and key.world_size > 1
@@ -375,8 +409,9 @@ class Run:
 
     # --- consumers (called with Runs._lock held) --------------------------------------------
 
-    def try_attach(self, membership: Membership) -> Consumer | None:
-        """A Consumer on this Run, or None if this consumer cannot join it (see NOTE)."""
+    def try_attach(self, membership: Membership, start: int = 0) -> Consumer | None:
+        """A Consumer on this Run from position `start`, or None if it cannot join this Run
+        (see NOTE [ Sharing ])."""
         with self.cond:
             if self.closing:
                 return None
@@ -385,21 +420,22 @@ class Run:
                 lane = self.lanes[membership.rank]
                 if lane.tasks is not None:
                     return None  # that rank's share is already taken: a new Run makes it again
-                lane.tasks = self.plan.lane(membership.rank)
-                lane.tasks_done = False
+                lane.begin(self.plan.lane(membership.rank), start, self._iterable)
             elif mode == "broadcast":
                 lane = self.lanes[0]
                 assert isinstance(lane, _BroadcastLane)
-                if lane.base > 0:
-                    return None  # batch 0 is gone; this consumer gets a Run of its own
-                if self.key.world_size > 1 and membership.rank in self.ranks_joined:
-                    return None
+                if start < lane.base:
+                    return None  # its next batch is gone; this consumer gets a Run of its own
+                if self.key.world_size > 1 and any(
+                    c.membership.rank == membership.rank for c in self.consumers
+                ):
+                    return None  # that rank is here already
             else:
                 lane = self.lanes[0]
                 assert isinstance(lane, _QueueLane)
                 if lane.drained:
                     return None
-            consumer = Consumer(self, membership, lane)
+            consumer = Consumer(self, membership, lane, start)
             self.consumers.append(consumer)
             self.ranks_joined.add(membership.rank)
             self.cond.notify_all()
@@ -533,12 +569,22 @@ class Run:
                 lane.tasks_done = True
                 continue
             task_id = next(self._task_ids)
-            if not engine.submit(task_id, indices):
+            seed = None
+            if self.spec.seeding == "per_batch":
+                seed = batch_seed(self.key.seed, self.key.epoch, self._batch_index(lane))
+            if not engine.submit(task_id, indices, seed):
                 lane.tasks_done = True  # every worker's IterableDataset has run dry
                 continue
             self._tasks[task_id] = (lane, lane.issued)
             lane.issued += 1
             lane.outstanding += 1
+
+    def _batch_index(self, lane: _Lane) -> int:
+        """The index in the epoch of the lane's next task: rank r of w's k-th batch is batch
+        k * w + r, so every batch of an epoch has its own index whatever the split."""
+        if self.key.sharing != "partition":
+            return lane.issued
+        return lane.issued * self.key.world_size + self.lanes.index(lane)
 
     def _retire(self, lane: _BroadcastLane) -> None:
         """Retires the batches every consumer has sent, and detaches a consumer that has held
@@ -603,21 +649,25 @@ class Runs:
         spec: LoaderSpec,
         plan: Callable[[int, int, int], EpochPlan],
         lease: Callable[[str], AbstractContextManager[Engine]],
+        *,
+        iterable: bool,
     ) -> None:
         self.spec = spec
+        self._iterable = iterable
         self._plan = plan  # (seed, epoch, world_size) -> EpochPlan
         self._lease = lease  # job -> the engine for one Run
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
         self.runs_started = 0  # for tests and metrics: how many productions began
 
-    def attach(self, membership: Membership, seed: int, epoch: int) -> Consumer:
-        """A consumer of the Run it joins (see NOTE [ Sharing ]), started if new."""
+    def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
+        """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
+        started if new."""
         world_size = membership.world_size if membership.sharing != "dynamic" else 1
         key = RunKey(membership.sharing, membership.job, seed, epoch, world_size)
         with self._lock:
             for run in reversed(self._runs.get(key, [])):
-                consumer = run.try_attach(membership)
+                consumer = run.try_attach(membership, start)
                 if consumer is not None:
                     break
             else:
@@ -627,8 +677,10 @@ class Runs:
                     self.spec,
                     self._plan(seed, epoch, plan_world),
                     lambda: self._lease(membership.job),
+                    iterable=self._iterable,
+                    start=start,
                 )
-                consumer = run.try_attach(membership)
+                consumer = run.try_attach(membership, start)
                 assert consumer is not None
                 self._runs.setdefault(key, []).append(run)
                 self.runs_started += 1

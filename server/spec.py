@@ -22,6 +22,9 @@ BATCH_SIZE_NONE = "none"
 
 # The ways consumers can share a loader's epochs (server/sharing.py).
 SHARING_MODES = ("partition", "broadcast", "dynamic")
+# How random/torch/numpy are seeded in workers: "worker" as torch does (once per worker and
+# epoch), "per_batch" before every batch from (seed, epoch, batch index).
+SEEDING_MODES = ("worker", "per_batch")
 
 
 class ConfigError(ValueError):
@@ -56,6 +59,9 @@ class LoaderSpec:
     timeout: float = 0
     in_order: bool = True
     seed: int = 0
+    # See SEEDING_MODES; "per_batch" makes a batch independent of which worker made it, of the
+    # worker count, of respawns and of where an epoch was resumed.
+    seeding: str = "worker"
     # Sharing between consumers (not DataLoader options; see server/sharing.py). `sharing` lists
     # the modes clients may ask for. `partition_drop_last` is DistributedSampler's drop_last:
     # false pads the shares to equal length with repeated samples, true drops the tail.
@@ -76,6 +82,10 @@ class LoaderSpec:
                 f"got {list(modes)!r}"
             )
         object.__setattr__(self, "sharing", modes)
+        if self.seeding not in SEEDING_MODES:
+            raise ConfigError(
+                f"{where}: seeding must be one of {', '.join(SEEDING_MODES)}, got {self.seeding!r}"
+            )
         if self.broadcast_window < 1:
             raise ConfigError(
                 f"{where}: broadcast_window must be at least 1 batch, got {self.broadcast_window}"
@@ -172,6 +182,10 @@ def _check_type(name: str, key: str, value: Any) -> Any:
                 f"{where} must be a list of modes ({', '.join(SHARING_MODES)}), got {value!r}"
             )
         return tuple(value)
+    if key == "seeding":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be one of {', '.join(SEEDING_MODES)}, got {value!r}")
+        return value
     if key in ("shuffle", "drop_last", "persistent_workers", "in_order", "partition_drop_last"):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
@@ -271,6 +285,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=0.0)
     g.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seeding", choices=SEEDING_MODES, default="worker")
     g.add_argument(
         "--sharing",
         type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),

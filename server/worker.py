@@ -63,6 +63,8 @@ class Task:
     indices: Any
     # Slots of this worker that the server has finished reading and hands back for reuse.
     released: tuple[int, ...] = ()
+    # seeding = "per_batch": random/torch/numpy are seeded with this before the batch is made.
+    seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +266,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
         slots.release(msg.released)
         if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:
             continue  # an abandoned epoch: the server no longer waits for this result
+        if msg.seed is not None:
+            seed_rngs(msg.seed, 0)
         cfg.result_queue.put(_run_task(cfg, msg, fetcher, slots, init_error, where))
         del msg
 
