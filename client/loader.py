@@ -139,6 +139,7 @@ class RemoteLoader:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2000),
+                *wire.CLIENT_KEEPALIVE_OPTIONS,
             ],
         )
         try:

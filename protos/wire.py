@@ -25,6 +25,22 @@ MAX_CHUNK_SIZE = 64 * 1024 * 1024
 # length. Generous; used for the receive-size limit only.
 FRAME_OVERHEAD = 1024
 
+# Keepalive, the same on both sides (they must agree, or the server answers the client's pings
+# with GOAWAY "too_many_pings"): the client pings a connection that has been silent for
+# KEEPALIVE_TIME_MS and drops it when no answer comes within KEEPALIVE_TIMEOUT_MS, so a
+# connection a network silently lost becomes UNAVAILABLE (and is resumed) instead of a hang;
+# the server accepts pings that often (max_ping_strikes 0: it never penalises them).
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+CLIENT_KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+)
+SERVER_KEEPALIVE_OPTIONS = (
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
 _DATA_FIELD = loader_pb2.Frame.DESCRIPTOR.fields_by_name["data"].number
 _WIRETYPE_VARINT = 0
 _WIRETYPE_FIXED64 = 1

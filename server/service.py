@@ -273,6 +273,7 @@ def create_server(
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", chunk_size + wire.FRAME_OVERHEAD),
+        *wire.SERVER_KEEPALIVE_OPTIONS,
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="rl-rpc"),
