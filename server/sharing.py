@@ -54,11 +54,12 @@ MIN_LANE_WINDOW = 2
 # sent, so the next epoch of the same trainer finds the persistent pool free.
 #
 # Who joins what: a partition rank joins the newest Run of its key whose lane for that rank
-# nobody has claimed yet; a broadcast consumer joins the newest Run that has not retired any
-# batch yet (and, with world_size > 1, whose consumers do not already include its rank); a
-# dynamic consumer joins the newest Run that still has batches to give. Otherwise a new Run
-# starts: a consumer always receives a whole epoch (or, dynamic, what is left of one), and two
-# Runs of the same key only mean some batches were made twice.
+# nobody has claimed yet, its lane beginning at the consumer's start; a broadcast consumer joins
+# the newest Run that still holds the batch at its start (nothing before it retired) and, with
+# world_size > 1, whose consumers do not already include its rank; a dynamic consumer joins the
+# newest Run that still has batches to give. Otherwise a new Run starts, at that start: a
+# consumer always receives the rest of its epoch from its start (or, dynamic, what is left of
+# one), and two Runs of the same key only mean some batches were made twice.
 
 
 class SharingError(ValueError):
