@@ -57,6 +57,21 @@ batch_size = "none"
         ('[loaders.a]\ndataset = "m:f"\nshuffle = "yes"', "true or false"),
         ('[loaders.a]\ndataset = "m:f"\nnum_workers = 1.5', "must be an integer"),
         ('[loaders.a]\ndataset = "m:f"\ndataset_kwargs = 3', "table of keyword arguments"),
+        ('[loaders.a]\ndataset = "m:f"\nsharing = "broadcast"', "must be a list of modes"),
+        (
+            '[loaders.a]\ndataset = "m:f"\nsharing = ["gossip"]',
+            "sharing must list one or more of partition, broadcast, dynamic, got \\['gossip'\\]",
+        ),
+        ('[loaders.a]\ndataset = "m:f"\nsharing = []', "sharing must list one or more"),
+        (
+            '[loaders.a]\ndataset = "m:f"\nseeding = "batch"',
+            "seeding must be one of worker, per_batch",
+        ),
+        (
+            '[loaders.a]\ndataset = "m:f"\nbroadcast_window = 0',
+            "broadcast_window must be at least 1",
+        ),
+        ('[loaders.a]\ndataset = "m:f"\ndetach_timeout = 0', "detach_timeout must be a positive"),
         ("[server]\nx = 1", "defines no loader"),
         ("[loaders.a\n", "not valid TOML"),
     ],
@@ -126,6 +141,14 @@ def test_fingerprint_tracks_what_decides_the_batches() -> None:
         a.fingerprint()
         != LoaderSpec(name="a", dataset="tests.datasets:Squares", batch_size=5).fingerprint()
     )
+    # Who may attach and how long they may lag does not change the data; how shares are cut and
+    # how batches are seeded does.
+    same = {"sharing": ("broadcast",), "broadcast_window": 2, "detach_timeout": 1.0}
+    other = [{"partition_drop_last": True}, {"seeding": "per_batch"}]
+    spec = {"name": "a", "dataset": "tests.datasets:Squares", "batch_size": 4}
+    assert LoaderSpec(**spec, **same).fingerprint() == a.fingerprint()  # type: ignore[arg-type]
+    for options in other:
+        assert LoaderSpec(**spec, **options).fingerprint() != a.fingerprint()  # type: ignore[arg-type]
 
 
 # Each conflict torch's DataLoader rejects: (spec options, the dataset).
