@@ -143,12 +143,12 @@ def test_fingerprint_tracks_what_decides_the_batches() -> None:
     )
     # Who may attach and how long they may lag does not change the data; how shares are cut and
     # how batches are seeded does.
-    same = {"sharing": ("broadcast",), "broadcast_window": 2, "detach_timeout": 1.0}
-    other = [{"partition_drop_last": True}, {"seeding": "per_batch"}]
-    spec = {"name": "a", "dataset": "tests.datasets:Squares", "batch_size": 4}
-    assert LoaderSpec(**spec, **same).fingerprint() == a.fingerprint()  # type: ignore[arg-type]
+    same: dict[str, Any] = {"sharing": ("broadcast",), "broadcast_window": 2, "detach_timeout": 1.0}
+    other: list[dict[str, Any]] = [{"partition_drop_last": True}, {"seeding": "per_batch"}]
+    spec: dict[str, Any] = {"name": "a", "dataset": "tests.datasets:Squares", "batch_size": 4}
+    assert LoaderSpec(**spec, **same).fingerprint() == a.fingerprint()
     for options in other:
-        assert LoaderSpec(**spec, **options).fingerprint() != a.fingerprint()  # type: ignore[arg-type]
+        assert LoaderSpec(**spec, **options).fingerprint() != a.fingerprint()
 
 
 # Each conflict torch's DataLoader rejects: (spec options, the dataset).
