@@ -35,6 +35,7 @@ class InlineEngine:
 
     max_outstanding = 1
     broken = False
+    outstanding = 0
 
     def __init__(self, spec: LoaderSpec, dataset: Any, batching: Batching) -> None:
         self._spec = spec

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL = 0.1
 # How long shutdown waits for a worker to exit on its own before terminating it.
 WORKER_JOIN_TIMEOUT = 5.0
+# How many times a batch is tried when its worker dies while making it (a sample that crashes
+# its worker every time is then delivered as an error at its position).
+MAX_TASK_ATTEMPTS = 3
 
 # NOTE [ Pool Protocol ]
 #
@@ -80,12 +83,45 @@ WORKER_JOIN_TIMEOUT = 5.0
 #   3. join each worker for WORKER_JOIN_TIMEOUT, then terminate, then kill, what remains;
 #   4. close the queues without waiting for their feeder threads (cancel_join_thread), since a
 #      dead reader would make that wait forever.
-# A worker that finds the server gone exits by itself (see _server_alive in server/worker.py).
-# Deliveries still held by consumers stay readable: their memoryviews keep the mapped segments.
+# A worker that finds the server gone exits by itself (see _server_alive in server/worker.py),
+# within MP_STATUS_CHECK_INTERVAL (5 s) of its last task, so a server killed with SIGKILL leaves
+# no worker behind for long; the fork server exits with it. Deliveries still held by consumers
+# stay readable: their memoryviews keep the mapped segments.
+#
+# NOTE [ Worker Failures ]
+#
+# Detection: every poll checks each worker with is_alive() (waitpid) at least every
+# POLL_INTERVAL (0.1 s) while a Run waits for results, so a worker killed by SIGKILL, a segfault
+# or os._exit is seen within 0.1 s. `_replace` then:
+#   1. counts a restart, forgets the dead process's slots (entries being sent keep their views)
+#      and its releases, closes its index queue (tasks it never read are re-issued, not read);
+#   2. starts a new process for the same worker id (from the fork server: never a fork of the
+#      gRPC process, grpc/grpc#16001), with a new queue, an incarnation of its own (slot names
+#      never collide with the dead one's) and the current EpochStart (same base seed);
+#   3. re-issues the dead worker's pending tasks, in order, to the new process. The oldest was
+#      being made when it died: it is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
+#      given up and delivered as an error at its position (a poison sample), the epoch going on.
+# A late result of the dead process for a re-issued task is dropped: the first answer counts.
+# Limits: an IterableDataset's position dies with its worker, so its epoch ends with an error;
+# workers dying more than 2 * num_workers + 2 times in a row without a batch finished mean the
+# loader cannot work (WorkerDiedError: the Run fails, the pool is replaced).
+# Timeout: when no task has completed for `timeout` seconds, the worker holding the oldest
+# pending task is killed and replaced (as above) and that task is delivered as a TimeoutError at
+# its position: an error within timeout + 0.1 s plus the restart, never a hang.
+# Fatal: a worker whose dataset factory or worker_init_fn raised answers every task with a fatal
+# Result; the Run ends all its streams with FAILED_PRECONDITION and the original traceback.
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited while the pool was running an epoch."""
+    """Workers kept dying without finishing a batch, or a worker of an IterableDataset died."""
+
+
+class WorkerInitError(RuntimeError):
+    """A worker cannot load anything: the dataset factory or worker_init_fn raised there."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(f"{error.type}: {error.message}")
+        self.error = error
 
 
 def _nothing() -> None:
@@ -114,11 +150,23 @@ class Outcome:
     delivery: Delivery | None
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A task submitted and not yet back: where it is, and how often its worker died on it."""
+
+    task_id: int
+    indices: Any
+    seed: int | None
+    worker_id: int
+    submitted_at: float
+    attempts: int = 1
+
+
 class WorkerPool:
     """`num_workers` worker processes for one loader spec; runs one epoch at a time.
 
-    See NOTE [ Pool Protocol ]. Only the thread producing a Run calls the epoch methods;
-    `Delivery.release` may be called from any thread.
+    See NOTE [ Pool Protocol ] and NOTE [ Worker Failures ]. Only the thread producing a Run
+    calls the epoch methods; `Delivery.release` may be called from any thread.
     """
 
     def __init__(
@@ -137,25 +185,35 @@ class WorkerPool:
         self._ctx = ctx
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._index_queues: list[Any] = []
+        self._incarnations: list[int] = []  # per worker id: its current process's incarnation
+        self._next_incarnation = itertools.count()
         self._result_queue: Any = None
         self._current_epoch: Any = None
         self._epoch_keys = itertools.count()
-        # (worker, slot) -> the slot's bytes, mapped from the worker's shared tensor.
+        # (incarnation, slot) -> the slot's bytes, mapped from that worker process's tensor.
         self._slots: dict[tuple[int, int], memoryview] = {}
-        # Slots the server is done with, per worker, to hand back with that worker's next Task.
-        self._released: list[list[int]] = []
-        self._lock = threading.Lock()  # guards _released: releases come from the stream thread
+        # Slots the server is done with, per incarnation, handed back with its next Task.
+        self._released: dict[int, list[int]] = {}
+        self._lock = threading.Lock()  # guards _released: releases come from stream threads
         self._closed = False
-        # Set by the Run when a worker died or a task timed out: the pool must not run another
-        # epoch.
+        # Set by the Run when the pool failed: it must not run another epoch.
         self.broken = False
-        # The current epoch (begin_epoch): its key, which workers still have data, and tasks
-        # submitted and not yet polled back.
+        # Worker processes replaced after they died (or were stopped for a timeout).
+        self.restarts = 0
+        # The current epoch (begin_epoch): its key and base seed, which workers still have data,
+        # and the tasks submitted and not yet polled back, in submission order per worker.
         self._key = -1
+        self._base_seed = 0
         self._active: list[bool] = []
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
-        self.outstanding = 0
+        self._pending: dict[int, _Pending] = {}
+        self._deaths_without_progress = 0
         self._progress_at = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        """Tasks submitted and not yet polled back."""
+        return len(self._pending)
 
     @property
     def pids(self) -> list[int]:
@@ -166,52 +224,59 @@ class WorkerPool:
         self._result_queue = self._ctx.Queue()
         self._current_epoch = self._ctx.Value("q", -1, lock=False)
         for worker_id in range(self.num_workers):
-            index_queue = self._ctx.Queue()
-            # Index queues only carry small messages; do not let a dead worker make the server
-            # wait on the feeder thread at exit.
-            index_queue.cancel_join_thread()
-            cfg = WorkerConfig(
-                spec=self.spec,
-                batching=self.batching,
-                worker_id=worker_id,
-                num_workers=self.num_workers,
-                index_queue=index_queue,
-                result_queue=self._result_queue,
-                current_epoch=self._current_epoch,
-                server_pid=os.getpid(),
-            )
-            proc = self._ctx.Process(  # type: ignore[attr-defined]
-                target=worker_loop,
-                args=(cfg,),
-                name=f"remote-loader-worker-{worker_id}",
-                daemon=True,
-            )
-            proc.start()
+            proc, index_queue, incarnation = self._spawn(worker_id)
             self._workers.append(proc)
             self._index_queues.append(index_queue)
-            self._released.append([])
+            self._incarnations.append(incarnation)
 
-    def _release(self, worker_id: int, slot: int) -> None:
+    def _spawn(self, worker_id: int) -> tuple[multiprocessing.process.BaseProcess, Any, int]:
+        # A fresh index queue per process: the old one may still hold tasks the dead process
+        # never read, which are re-issued, not read again.
+        index_queue = self._ctx.Queue()
+        # Index queues only carry small messages; do not let a dead worker make the server
+        # wait on the feeder thread at exit.
+        index_queue.cancel_join_thread()
+        incarnation = next(self._next_incarnation)
         with self._lock:
-            self._released[worker_id].append(slot)
+            self._released[incarnation] = []
+        cfg = WorkerConfig(
+            spec=self.spec,
+            batching=self.batching,
+            worker_id=worker_id,
+            num_workers=self.num_workers,
+            index_queue=index_queue,
+            result_queue=self._result_queue,
+            current_epoch=self._current_epoch,
+            server_pid=os.getpid(),
+            incarnation=incarnation,
+        )
+        proc = self._ctx.Process(  # type: ignore[attr-defined]
+            target=worker_loop,
+            args=(cfg,),
+            name=f"remote-loader-worker-{worker_id}",
+            daemon=True,
+        )
+        proc.start()
+        return proc, index_queue, incarnation
+
+    def _release(self, incarnation: int, slot: int) -> None:
+        with self._lock:
+            released = self._released.get(incarnation)
+            if released is not None:  # else that process is gone, and its slots with it
+                released.append(slot)
 
     def _take_released(self, worker_id: int) -> tuple[int, ...]:
         with self._lock:
-            ids = tuple(self._released[worker_id])
-            self._released[worker_id].clear()
+            released = self._released[self._incarnations[worker_id]]
+            ids = tuple(released)
+            released.clear()
         return ids
 
     def _accept_buffers(self, result: Result) -> None:
         for slot in result.dropped:
-            self._slots.pop((result.worker_id, slot), None)
+            self._slots.pop((result.incarnation, slot), None)
         if result.new_buffer is not None:
-            self._slots[(result.worker_id, result.slot)] = result.new_buffer.numpy().data
-
-    def _check_alive(self) -> None:
-        dead = [w for w in self._workers if not w.is_alive()]
-        if dead:
-            pids = ", ".join(f"{w.pid} (exit code {w.exitcode})" for w in dead)
-            raise WorkerDiedError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
+            self._slots[(result.incarnation, result.slot)] = result.new_buffer.numpy().data
 
     # --- one epoch (called by the Run's thread only) -------------------------------------
 
@@ -220,86 +285,216 @@ class WorkerPool:
         if self._closed:
             raise RuntimeError("this worker pool has been shut down")
         self._key = next(self._epoch_keys)
+        self._base_seed = base_seed
         self._current_epoch.value = self._key
         for q in self._index_queues:
             q.put(EpochStart(epoch_key=self._key, base_seed=base_seed))
         self._active = [True] * self.num_workers
         self._worker_cycle = itertools.cycle(range(self.num_workers))
-        self.outstanding = 0
+        self._pending.clear()
+        self._deaths_without_progress = 0
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         """Sends a task (with its per-batch seed, if any) to the next active worker; False when
         every worker has run dry."""
+        worker_id = self._next_worker()
+        if worker_id is None:
+            return False
+        if not self._pending:
+            self._progress_at = time.monotonic()  # the timeout counts from here
+        pending = _Pending(task_id, indices, seed, worker_id, time.monotonic())
+        self._pending[task_id] = pending
+        self._send(pending)
+        return True
+
+    def _next_worker(self) -> int | None:
         for _ in range(self.num_workers):
             worker_id = next(self._worker_cycle)
             if self._active[worker_id]:
-                break
-        else:
-            return False
-        if self.outstanding == 0:
-            self._progress_at = time.monotonic()  # the timeout counts from here
-        self._index_queues[worker_id].put(
-            Task(self._key, task_id, indices, self._take_released(worker_id), seed)
+                return worker_id
+        return None
+
+    def _send(self, pending: _Pending) -> None:
+        w = pending.worker_id
+        self._index_queues[w].put(
+            Task(self._key, pending.task_id, pending.indices, self._take_released(w), pending.seed)
         )
-        self.outstanding += 1
-        return True
 
     def poll(self, timeout: float = POLL_INTERVAL) -> Outcome | None:
         """The next task to complete, or None after `timeout` seconds without one.
 
-        Each wait is followed by a liveness check (WorkerDiedError) and, when the spec sets
-        `timeout`, a check that some task completed within it (TimeoutError), as torch's
-        _try_get_data does.
+        Each wait is followed by a liveness check, which replaces dead workers and re-issues
+        their tasks, and, when the spec sets `timeout`, a check that some task completed within
+        it. See NOTE [ Worker Failures ].
         """
-        if self.outstanding == 0:
+        if not self._pending:
             return None
         deadline = time.monotonic() + timeout
         while True:
+            failed = self._check_workers()
+            if failed is not None:
+                return failed
             try:
                 result: Result = self._result_queue.get(
                     timeout=max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
                 )
             except queue.Empty:
-                self._check_alive()
-                now = time.monotonic()
-                if self.spec.timeout > 0 and now - self._progress_at >= self.spec.timeout:
-                    raise TimeoutError(
-                        f"DataLoader timed out after {self.spec.timeout} seconds"
-                    ) from None
-                if now >= deadline:
+                if time.monotonic() >= deadline:
                     return None
                 continue
-            self._accept_buffers(result)
-            if result.epoch_key != self._key:
-                if result.slot >= 0:  # a batch of an abandoned epoch: the slot is free again
-                    self._release(result.worker_id, result.slot)
+            except Exception:
+                # A result that cannot be unpickled: its worker died while handing over a new
+                # slot's file descriptor. The task is still pending and is re-issued with the
+                # worker's other tasks once its death is seen.
+                log.warning("dropped a result that could not be read", exc_info=True)
                 continue
-            self.outstanding -= 1
-            self._progress_at = time.monotonic()
-            return self._outcome(result)
+            self._accept_buffers(result)
+            outcome = self._outcome(result)
+            if outcome is not None:
+                return outcome
 
-    def _outcome(self, result: Result) -> Outcome:
+    def _outcome(self, result: Result) -> Outcome | None:
+        pending = self._pending.get(result.task_id)
+        if result.epoch_key != self._key or pending is None:
+            # A batch of an abandoned epoch, or a second answer for a task that was re-issued
+            # after its worker died: the first answer counted, this slot is free again.
+            if result.slot >= 0:
+                self._release(result.incarnation, result.slot)
+            return None
+        if result.fatal:
+            assert result.error is not None
+            raise WorkerInitError(result.error)
+        del self._pending[result.task_id]
+        self._progress_at = time.monotonic()
+        self._deaths_without_progress = 0
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
             self._active[result.worker_id] = False
             return Outcome(result.task_id, None)
         if result.error is not None:
             return Outcome(result.task_id, Delivery(error=result.error))
-        blob = self._slots[(result.worker_id, result.slot)][: result.total_nbytes]
+        slot = self._slots.get((result.incarnation, result.slot))
+        if slot is None:
+            # From a process already replaced, reusing a slot forgotten with it: the task was
+            # re-issued, and its new answer counts.
+            self._pending[result.task_id] = pending
+            return None
+        blob = slot[: result.total_nbytes]
         return Outcome(
             result.task_id,
             Delivery(
                 blob=blob,
                 header_nbytes=result.header_nbytes,
-                release=functools.partial(self._release, result.worker_id, result.slot),
+                release=functools.partial(self._release, result.incarnation, result.slot),
             ),
         )
+
+    def _check_workers(self) -> Outcome | None:
+        """Replaces dead workers and re-issues their tasks; stops a worker stuck past `timeout`.
+
+        Returns an error Outcome for a task that has used up its attempts or timed out.
+        """
+        failed: Outcome | None = None
+        if self.spec.timeout > 0 and self._pending:
+            now = time.monotonic()
+            if now - self._progress_at >= self.spec.timeout:
+                stuck = min(self._pending.values(), key=lambda p: p.submitted_at)
+                failed = self._stop_stuck(stuck)
+        for worker_id, proc in enumerate(self._workers):
+            if proc.is_alive():
+                continue
+            outcome = self._replace(worker_id, proc)
+            failed = failed or outcome
+        return failed
+
+    def _stop_stuck(self, stuck: _Pending) -> Outcome:
+        proc = self._workers[stuck.worker_id]
+        log.warning(
+            "loader %r: no batch within timeout=%g s; stopping worker %d (pid %s), which has "
+            "batch task %d",
+            self.spec.name,
+            self.spec.timeout,
+            stuck.worker_id,
+            proc.pid,
+            stuck.task_id,
+        )
+        del self._pending[stuck.task_id]
+        self._progress_at = time.monotonic()
+        proc.kill()
+        proc.join(timeout=WORKER_JOIN_TIMEOUT)
+        error = TimeoutError(
+            f"DataLoader timed out after {self.spec.timeout} seconds: worker "
+            f"{stuck.worker_id} (pid {proc.pid}) was stopped and replaced"
+        )
+        where = f"in DataLoader worker process {stuck.worker_id}"
+        return Outcome(stuck.task_id, Delivery(error=RemoteError.capture(where, error)))
+
+    def _replace(self, worker_id: int, dead: multiprocessing.process.BaseProcess) -> Outcome | None:
+        """See NOTE [ Worker Failures ]."""
+        self.restarts += 1
+        self._deaths_without_progress += 1
+        mine = sorted(
+            (p for p in self._pending.values() if p.worker_id == worker_id),
+            key=lambda p: p.submitted_at,
+        )
+        reason = f"DataLoader worker {worker_id} (pid {dead.pid}) exited unexpectedly with " + (
+            f"exit code {dead.exitcode}"
+            if dead.exitcode is None or dead.exitcode >= 0
+            else f"signal {-dead.exitcode}"
+        )
+        log.warning(
+            "loader %r: %s; restarting it and re-issuing its %d task(s)",
+            self.spec.name,
+            reason,
+            len(mine),
+        )
+        dead_incarnation = self._incarnations[worker_id]
+        with self._lock:
+            self._released.pop(dead_incarnation, None)
+        # Entries still being sent keep their own views of the dead process's slots.
+        for key in [k for k in self._slots if k[0] == dead_incarnation]:
+            del self._slots[key]
+        old_queue = self._index_queues[worker_id]
+        old_queue.close()
+        proc, index_queue, incarnation = self._spawn(worker_id)
+        self._workers[worker_id] = proc
+        self._index_queues[worker_id] = index_queue
+        self._incarnations[worker_id] = incarnation
+        if self._key >= 0 and self._current_epoch.value == self._key:
+            index_queue.put(EpochStart(epoch_key=self._key, base_seed=self._base_seed))
+        if self.batching.is_iterable and mine:
+            # An IterableDataset's position lives in the process that died: re-issuing its
+            # tasks to a fresh iterator would repeat samples. The epoch ends with an error.
+            raise WorkerDiedError(f"{reason}; an IterableDataset cannot resume its position")
+        if self._deaths_without_progress > 2 * self.num_workers + 2:
+            raise WorkerDiedError(
+                f"{reason}; workers died {self._deaths_without_progress} times in a row "
+                "without finishing a batch"
+            )
+        failed: Outcome | None = None
+        for i, pending in enumerate(mine):
+            # The oldest was being made when the process died: it may be what killed it.
+            if i == 0:
+                pending.attempts += 1
+            if pending.attempts > MAX_TASK_ATTEMPTS:
+                del self._pending[pending.task_id]
+                error = WorkerDiedError(
+                    f"{reason} while making this batch, {MAX_TASK_ATTEMPTS} times: it is "
+                    "given up (a sample that crashes its worker?)"
+                )
+                where = f"in DataLoader worker process {worker_id}"
+                failed = Outcome(pending.task_id, Delivery(error=RemoteError.capture(where, error)))
+                continue
+            pending.submitted_at = time.monotonic()
+            self._send(pending)
+        self._progress_at = time.monotonic()
+        return failed
 
     def end_epoch(self) -> None:
         """Abandons what is still queued: workers skip it, and a result still in flight is
         recognised as stale by the next epoch's poll."""
         self._current_epoch.value = -1
-        self.outstanding = 0
+        self._pending.clear()
 
     def shutdown(self) -> None:
         """Stops the workers. See NOTE [ Pool Shutdown ]."""

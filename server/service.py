@@ -26,6 +26,7 @@ from remote_loader.server.sharing import (
     DEFAULT_JOB,
     ClosingError,
     DetachedError,
+    LoaderBrokenError,
     Membership,
     SharingError,
 )
@@ -211,6 +212,12 @@ class LoaderService:
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
+        except LoaderBrokenError as exc:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"loader {host.spec.name!r} cannot make batches: {exc}",
+            )
         except ClosingError as exc:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except DetachedError as exc:

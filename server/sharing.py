@@ -27,7 +27,13 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from remote_loader.protos import wire
-from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerDiedError
+from remote_loader.server.pool import (
+    POLL_INTERVAL,
+    Delivery,
+    Outcome,
+    WorkerDiedError,
+    WorkerInitError,
+)
 from remote_loader.server.reorder import Reorderer
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
@@ -74,6 +80,17 @@ class ClosingError(DetachedError):
     """The loader is closing (server shutdown) mid-epoch (UNAVAILABLE): never a normal end."""
 
 
+class LoaderBrokenError(RuntimeError):
+    """The loader cannot make any batch (FAILED_PRECONDITION): the dataset factory or the
+    worker_init_fn raised in its workers. Carries the original traceback."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(
+            f"{error.type} {error.where}: {error.message}\nOriginal {error.traceback.rstrip()}"
+        )
+        self.error = error
+
+
 @dataclasses.dataclass(frozen=True)
 class Membership:
     """How one consumer takes part: sharing mode, job, rank and world size."""
@@ -113,8 +130,10 @@ class Engine(Protocol):
     """What a Run drives: the loader's worker pool, or in-process loading (num_workers=0)."""
 
     max_outstanding: int
-    outstanding: int
     broken: bool
+
+    @property
+    def outstanding(self) -> int: ...
 
     def begin_epoch(self, base_seed: int) -> None: ...
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool: ...
@@ -297,6 +316,8 @@ class Consumer:
         run = self.run
         with run.cond:
             while True:
+                if run.fatal is not None:
+                    raise LoaderBrokenError(run.fatal)
                 if self.detached is not None:
                     raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
                 if self.closed or cancelled.is_set():
@@ -374,6 +395,7 @@ class Run:
         self.closing = False
         self.closed_by_server = False
         self.failure: RemoteError | None = None
+        self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
         self.started_at = time.monotonic()
         self._task_ids = itertools.count()
         self._tasks: dict[int, tuple[_Lane, int]] = {}  # task id -> (lane, lane-local id)
@@ -503,13 +525,17 @@ class Run:
                 try:
                     while self._step(engine):
                         pass
-                except (WorkerDiedError, TimeoutError):
+                except (WorkerDiedError, WorkerInitError):
                     engine.broken = True  # the pool is replaced, not reused with a hole
                     raise
                 finally:
                     engine.end_epoch()
+        except WorkerInitError as exc:
+            with self.cond:
+                self.fatal = exc.error
+                self.cond.notify_all()
         except Exception as exc:
-            if isinstance(exc, WorkerDiedError | TimeoutError):
+            if isinstance(exc, WorkerDiedError):
                 where = "in the server's worker pool"
             else:
                 log.exception("%r failed", self)

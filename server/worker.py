@@ -84,6 +84,11 @@ class Result:
     error: RemoteError | None = None
     # An IterableDataset ran dry in this worker (torch's _IterableDatasetStopIteration).
     exhausted: bool = False
+    # Which process of worker `worker_id` this is (a replaced worker gets a new one): slots are
+    # the process's own, so they are named by (incarnation, slot).
+    incarnation: int = 0
+    # The worker cannot load anything (the dataset factory or worker_init_fn raised there).
+    fatal: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,7 @@ class WorkerConfig:
     # server has abandoned (a client that went away) instead of loading them.
     current_epoch: Any
     server_pid: int
+    incarnation: int = 0
 
 
 # --- pieces shared with the in-process path ---------------------------------------------
@@ -202,7 +208,8 @@ class _Slots:
 
 def _server_alive(server_pid: int, parent_pid: int) -> bool:
     # Our parent is the fork server, which exits with the server; a changed parent pid means it is
-    # gone. The server's own pid is checked too, in case the fork server outlives it.
+    # gone. The server's own pid is checked too, in case the fork server outlives it, and a
+    # zombie counts as gone (a killed server not yet reaped by its parent).
     if os.getppid() != parent_pid:
         return False
     try:
@@ -211,7 +218,12 @@ def _server_alive(server_pid: int, parent_pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{server_pid}/stat", "rb") as f:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
@@ -280,9 +292,11 @@ def _run_task(
     init_error: RemoteError | None,
     where: str,
 ) -> Result:
-    base = functools.partial(Result, cfg.worker_id, task.epoch_key, task.task_id)
+    base = functools.partial(
+        Result, cfg.worker_id, task.epoch_key, task.task_id, incarnation=cfg.incarnation
+    )
     if init_error is not None:
-        return base(error=init_error)
+        return base(error=init_error, fatal=True)
     assert fetcher is not None
     try:
         batch = fetcher.fetch(task.indices)
