@@ -105,9 +105,9 @@ MAX_TASK_ATTEMPTS = 3
 # Limits: an IterableDataset's position dies with its worker, so its epoch ends with an error;
 # workers dying more than 2 * num_workers + 2 times in a row without a batch finished mean the
 # loader cannot work (WorkerDiedError: the Run fails, the pool is replaced).
-# Timeout: when no task has completed for `timeout` seconds, the worker holding the oldest
-# pending task is killed and replaced (as above) and that task is delivered as a TimeoutError at
-# its position: an error within timeout + 0.1 s plus the restart, never a hang.
+# Timeout: a worker that has been on one task for `timeout` seconds (counted from when it was
+# free for it) is killed and replaced (as above), and that task is delivered as a TimeoutError
+# at its position: an error within timeout + 0.1 s plus the restart, never a hang.
 # Fatal: a worker whose dataset factory or worker_init_fn raised answers every task with a fatal
 # Result; the Run ends all its streams with FAILED_PRECONDITION and the original traceback.
 
@@ -208,7 +208,9 @@ class WorkerPool:
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
         self._pending: dict[int, _Pending] = {}
         self._deaths_without_progress = 0
-        self._progress_at = 0.0
+        # Per worker: when it last finished a task (or was started), so the task it is on now
+        # counts from then, not from when it was queued behind others.
+        self._free_since: list[float] = []
 
     @property
     def outstanding(self) -> int:
@@ -293,6 +295,7 @@ class WorkerPool:
         self._worker_cycle = itertools.cycle(range(self.num_workers))
         self._pending.clear()
         self._deaths_without_progress = 0
+        self._free_since = [time.monotonic()] * self.num_workers
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         """Sends a task (with its per-batch seed, if any) to the next active worker; False when
@@ -300,8 +303,6 @@ class WorkerPool:
         worker_id = self._next_worker()
         if worker_id is None:
             return False
-        if not self._pending:
-            self._progress_at = time.monotonic()  # the timeout counts from here
         pending = _Pending(task_id, indices, seed, worker_id, time.monotonic())
         self._pending[task_id] = pending
         self._send(pending)
@@ -365,7 +366,7 @@ class WorkerPool:
             assert result.error is not None
             raise WorkerInitError(result.error)
         del self._pending[result.task_id]
-        self._progress_at = time.monotonic()
+        self._free_since[result.worker_id] = time.monotonic()
         self._deaths_without_progress = 0
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
@@ -397,15 +398,25 @@ class WorkerPool:
         failed: Outcome | None = None
         if self.spec.timeout > 0 and self._pending:
             now = time.monotonic()
-            if now - self._progress_at >= self.spec.timeout:
-                stuck = min(self._pending.values(), key=lambda p: p.submitted_at)
-                failed = self._stop_stuck(stuck)
+            for current in self._current_tasks().values():
+                started = max(current.submitted_at, self._free_since[current.worker_id])
+                if now - started >= self.spec.timeout:
+                    failed = self._stop_stuck(current)
+                    break
         for worker_id, proc in enumerate(self._workers):
             if proc.is_alive():
                 continue
             outcome = self._replace(worker_id, proc)
             failed = failed or outcome
         return failed
+
+    def _current_tasks(self) -> dict[int, _Pending]:
+        """Per busy worker, the task it is making now: its oldest pending one."""
+        current: dict[int, _Pending] = {}
+        for p in self._pending.values():
+            if p.worker_id not in current or p.submitted_at < current[p.worker_id].submitted_at:
+                current[p.worker_id] = p
+        return current
 
     def _stop_stuck(self, stuck: _Pending) -> Outcome:
         proc = self._workers[stuck.worker_id]
@@ -419,7 +430,6 @@ class WorkerPool:
             stuck.task_id,
         )
         del self._pending[stuck.task_id]
-        self._progress_at = time.monotonic()
         proc.kill()
         proc.join(timeout=WORKER_JOIN_TIMEOUT)
         error = TimeoutError(
@@ -487,7 +497,7 @@ class WorkerPool:
                 continue
             pending.submitted_at = time.monotonic()
             self._send(pending)
-        self._progress_at = time.monotonic()
+        self._free_since[worker_id] = time.monotonic()
         return failed
 
     def end_epoch(self) -> None:

@@ -1,5 +1,7 @@
 """The gRPC stage: the Loader service, `create_server` (binds, port 0 for tests) and `serve`.
 
+See NOTE [ Pool Shutdown ] in server/pool.py for what stopping does to the workers.
+
 Stream handlers forward the bytes workers encoded, cut into Frames (remote_loader.protos.wire),
 and stop producing as soon as the client goes away.
 """
@@ -7,6 +9,7 @@ and stop producing as soon as the client goes away.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.context
@@ -18,6 +21,7 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
@@ -80,6 +84,23 @@ class LoaderService:
             )
         self.hosts = dict(hosts)
         self.chunk_size = chunk_size
+        # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
+        self.draining = False
+        self._streams = 0
+        self._streams_changed = threading.Condition()
+
+    def wait_streams(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the running streams to end; True if none is left."""
+        with self._streams_changed:
+            return self._streams_changed.wait_for(lambda: self._streams == 0, timeout)
+
+    def _refuse_when_draining(self, context: grpc.ServicerContext) -> None:
+        if self.draining:
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down (draining its running streams)",
+            )
 
     def _host(self, name: str, context: grpc.ServicerContext) -> LoaderHost:
         if not name:
@@ -120,6 +141,7 @@ class LoaderService:
         return pb.ListLoadersResponse(names=sorted(self.hosts))
 
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
+        self._refuse_when_draining(context)
         host = self._host(request.loader, context)
         spec = host.spec
         info = pb.LoaderInfo(
@@ -145,6 +167,17 @@ class LoaderService:
         return info
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._refuse_when_draining(context)
+        with self._streams_changed:
+            self._streams += 1
+        try:
+            yield from self._stream(request, context)
+        finally:
+            with self._streams_changed:
+                self._streams -= 1
+                self._streams_changed.notify_all()
+
+    def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         host = self._host(request.loader, context)
         membership = self._membership(host, request.consumer, context)
         if request.fingerprint and request.fingerprint != host.spec.fingerprint():
@@ -250,14 +283,43 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -
     raise AssertionError("unreachable: context.abort raises")
 
 
+@dataclasses.dataclass
+class LoaderServer:
+    """A bound gRPC server for a set of loaders, with the standard health service.
+
+    Health (`grpc.health.v1`, service "" and "remote_loader.v1.Loader") is SERVING once
+    started and NOT_SERVING while draining.
+    """
+
+    grpc_server: grpc.Server
+    port: int
+    service: LoaderService
+    health: health.HealthServicer
+
+    def start(self) -> None:
+        self.grpc_server.start()
+        for name in ("", wire.SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = DEFAULT_GRACE) -> None:
+        """Drains, then stops: health turns NOT_SERVING and new streams are refused with
+        UNAVAILABLE at once; running streams get up to `grace` seconds to finish, then are
+        cancelled."""
+        self.health.enter_graceful_shutdown()
+        self.service.draining = True
+        if not self.service.wait_streams(grace):
+            log.warning("streams still running after %.1f s: cancelling them", grace)
+        self.grpc_server.stop(0).wait()
+
+
 def create_server(
     hosts: Mapping[str, LoaderHost],
     address: str = "127.0.0.1:0",
     *,
     max_streams: int = DEFAULT_MAX_STREAMS,
     chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
-) -> tuple[grpc.Server, int]:
-    """A gRPC server for `hosts`, bound to `address` but not started; returns it and its port."""
+) -> LoaderServer:
+    """A server for `hosts`, bound to `address` (port 0: a free one) but not started."""
     service = LoaderService(hosts, chunk_size)
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
@@ -283,18 +345,21 @@ def create_server(
         *wire.SERVER_KEEPALIVE_OPTIONS,
     ]
     server = grpc.server(
+        # Streams, plus room for unary calls and health checks beside them.
         futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="rl-rpc"),
         handlers=[grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers)],
         maximum_concurrent_rpcs=max_streams,
         options=options,
     )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc} (is another server using it?)") from exc
     if port == 0:
         raise OSError(f"cannot listen on {address} (is another server using it?)")
-    return server, port
+    return LoaderServer(server, port, service, health_servicer)
 
 
 def build_hosts(
@@ -328,18 +393,19 @@ def serve(
     hosts = build_hosts(specs)  # workers and the fork server start before any gRPC thread
     stop = stop or threading.Event()
     try:
-        server, port = create_server(hosts, address, max_streams=max_streams, chunk_size=chunk_size)
+        server = create_server(hosts, address, max_streams=max_streams, chunk_size=chunk_size)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
         server.start()
-        log.info("serving %s on port %d", ", ".join(sorted(hosts)), port)
-        print(f"remote-loader: serving {', '.join(sorted(hosts))} on port {port}", flush=True)
+        names = ", ".join(sorted(hosts))
+        log.info("serving %s on port %d", names, server.port)
+        print(f"remote-loader: serving {names} on port {server.port}", flush=True)
         if ready is not None:
             ready.set()
         stop.wait()
-        log.info("stopping: %.1f s for running streams", grace)
-        server.stop(grace).wait()
+        log.info("stopping: health NOT_SERVING, %.1f s for running streams", grace)
+        server.stop(grace)
     finally:
         for host in hosts.values():
             host.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from remote_loader.server.cli import spawn_serve
-from remote_loader.server.service import build_hosts, create_server
+from remote_loader.server.host import LoaderHost
+from remote_loader.server.service import LoaderServer, build_hosts, create_server
 from remote_loader.server.spec import LoaderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,26 +30,46 @@ def _cache_in_tmp(
     monkeypatch.setenv("REMOTE_LOADER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@dataclasses.dataclass
+class Served:
+    """An in-process server: its address, its loaders (to look inside) and the server."""
+
+    address: str
+    hosts: dict[str, LoaderHost]
+    server: LoaderServer
+
+
+ServeLoaders = Callable[..., Served]
 StartServer = Callable[..., str]
 
 
 @pytest.fixture
-def start_server() -> Iterator[StartServer]:
-    """Starts an in-process server for the given specs on 127.0.0.1:0; returns its address."""
-    running: list[tuple[Any, dict[str, Any]]] = []
+def serve_loaders() -> Iterator[ServeLoaders]:
+    """Starts an in-process server for the given specs on 127.0.0.1:0."""
+    running: list[Served] = []
 
-    def start(*specs: LoaderSpec, **kwargs: Any) -> str:
+    def start(*specs: LoaderSpec, **kwargs: Any) -> Served:
         hosts = build_hosts({spec.name: spec for spec in specs})
-        server, port = create_server(hosts, "127.0.0.1:0", **kwargs)
+        server = create_server(hosts, "127.0.0.1:0", **kwargs)
         server.start()
-        running.append((server, hosts))
-        return f"127.0.0.1:{port}"
+        running.append(Served(f"127.0.0.1:{server.port}", hosts, server))
+        return running[-1]
 
     yield start
-    for server, hosts in running:
-        server.stop(None).wait()
-        for host in hosts.values():
+    for served in running:
+        served.server.stop(0)
+        for host in served.hosts.values():
             host.close()
+
+
+@pytest.fixture
+def start_server(serve_loaders: ServeLoaders) -> StartServer:
+    """Starts an in-process server for the given specs on 127.0.0.1:0; returns its address."""
+
+    def start(*specs: LoaderSpec, **kwargs: Any) -> str:
+        return serve_loaders(*specs, **kwargs).address
+
+    return start
 
 
 def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:

@@ -106,10 +106,10 @@ def address() -> Iterator[str]:
     specs = [_spec(case, n) for case in CASES for n in WORKERS]
     specs += [_spec("random-aug", 2, in_order=False), _spec("iterable", 3, in_order=False)]
     hosts = build_hosts({s.name: s for s in specs})
-    server, port = create_server(hosts, "127.0.0.1:0")
+    server = create_server(hosts, "127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None).wait()
+    yield f"127.0.0.1:{server.port}"
+    server.stop(0)
     for host in hosts.values():
         host.close()
 

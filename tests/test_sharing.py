@@ -23,9 +23,8 @@ from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.sampling import share, share_size
-from remote_loader.server.service import build_hosts, create_server
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ROOT, StartServer
+from tests.conftest import ROOT, ServeLoaders, StartServer
 from tests.datasets import Squares, read_counts
 
 SEED, EPOCH, BATCH = 5, 1, 3
@@ -581,23 +580,16 @@ def test_next_epoch_of_a_job_waits_for_its_persistent_workers(start_server: Star
     assert pids[0] == pids[1] == pids[2] == pids[3]  # the same two persistent workers throughout
 
 
-def test_closing_the_loader_mid_epoch_is_an_error_not_an_end() -> None:
+def test_closing_the_loader_mid_epoch_is_an_error_not_an_end(serve_loaders: ServeLoaders) -> None:
     spec = LoaderSpec(
         name="slow", dataset="tests.datasets:Slow", dataset_kwargs={"n": 50, "seconds": 0.05}
     )
-    hosts = build_hosts({"slow": spec})
-    server, port = create_server(hosts, "127.0.0.1:0")
-    server.start()
-    try:
-        # retries=0: the error itself, rather than attempts to resume against a closed loader.
-        with RemoteLoader(f"127.0.0.1:{port}", prefetch=1, retries=0) as loader:
-            it = iter(loader)
-            next(it)
-            hosts["slow"].close()  # what server shutdown does after the grace period
-            with pytest.raises(ConnectionLostError, match="shutting down mid-epoch"):
-                for _ in it:
-                    pass
-    finally:
-        server.stop(None).wait()
-        for host in hosts.values():
-            host.close()
+    served = serve_loaders(spec)
+    # retries=0: the error itself, rather than attempts to resume against a closed loader.
+    with RemoteLoader(served.address, prefetch=1, retries=0) as loader:
+        it = iter(loader)
+        next(it)
+        served.hosts["slow"].close()  # what server shutdown does after the grace period
+        with pytest.raises(ConnectionLostError, match="shutting down mid-epoch"):
+            for _ in it:
+                pass
