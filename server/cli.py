@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         default=32,
         help="streams served at once; more are refused (default %(default)s)",
     )
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, seconds running streams get to finish (default %(default)s)",
+    )
     serve.add_argument("--log-level", default="INFO")
     add_spec_arguments(serve)
 
@@ -109,7 +115,13 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             spec = demo_spec()
             specs = {spec.name: spec}
-        return serve(specs, args.address, max_streams=args.max_streams, chunk_size=args.chunk_size)
+        return serve(
+            specs,
+            args.address,
+            max_streams=args.max_streams,
+            chunk_size=args.chunk_size,
+            grace=args.grace,
+        )
     except (ConfigError, OSError) as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
         return 2

@@ -14,9 +14,9 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.context
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -47,10 +47,11 @@ MAX_TASK_ATTEMPTS = 3
 # NOTE [ Pool Protocol ]
 #
 # Actors: the thread producing a Run (server/sharing.py), which alone calls begin_epoch /
-# submit / poll / end_epoch, and `num_workers` worker processes (`worker_loop`). Queues: one
-# index queue per worker (server -> worker), one result queue (workers -> server). Neither is
-# bounded by size; both are bounded by the protocol: the Run keeps at most `max_outstanding`
-# (= prefetch_factor * num_workers) tasks submitted and not yet polled back.
+# submit / poll / end_epoch, and `num_workers` worker processes (`worker_loop`). Channels, one
+# pair per worker process: an index queue (server -> worker) and a result pipe (worker ->
+# server, written synchronously). Neither is bounded by size; both are bounded by the protocol:
+# the Run keeps at most `max_outstanding` (= prefetch_factor * num_workers) tasks submitted and
+# not yet polled back.
 #
 #   server (Run thread)                        worker
 #   -------------------                        ------
@@ -58,8 +59,8 @@ MAX_TASK_ATTEMPTS = 3
 #     EpochStart(key, base_seed) to all          seed random/torch/numpy from base_seed + id,
 #   submit: Task(key, id, indices) to the        set get_worker_info(), worker_init_fn (once),
 #     next worker still active                   restart the dataset iterator
-#   poll (timeout POLL_INTERVAL):              on Task(key, id, indices, released):
-#     on Empty: workers alive? timeout?          mark `released` slots free
+#   poll (waits on the result pipes):          on Task(key, id, indices, released):
+#     workers alive? a task past timeout?        mark `released` slots free
 #     stale epoch: release its slot              skip if key is not current_epoch.value
 #     exhausted: that worker is inactive         fetch + collate + encode into a free shm slot
 #     else: Outcome(id, Delivery)                put Result(id, slot | error | exhausted)
@@ -81,8 +82,8 @@ MAX_TASK_ATTEMPTS = 3
 #   1. current_epoch.value = -1, so workers skip whatever is still queued for them;
 #   2. put None on every index queue (workers exit after their current task);
 #   3. join each worker for WORKER_JOIN_TIMEOUT, then terminate, then kill, what remains;
-#   4. close the queues without waiting for their feeder threads (cancel_join_thread), since a
-#      dead reader would make that wait forever.
+#   4. close the index queues without waiting for their feeder threads (cancel_join_thread),
+#      since a dead reader would make that wait forever, and the result pipes.
 # A worker that finds the server gone exits by itself (see _server_alive in server/worker.py),
 # within MP_STATUS_CHECK_INTERVAL (5 s) of its last task, so a server killed with SIGKILL leaves
 # no worker behind for long; the fork server exits with it. Deliveries still held by consumers
@@ -98,8 +99,9 @@ MAX_TASK_ATTEMPTS = 3
 #   2. starts a new process for the same worker id (from the fork server: never a fork of the
 #      gRPC process, grpc/grpc#16001), with a new queue, an incarnation of its own (slot names
 #      never collide with the dead one's) and the current EpochStart (same base seed);
-#   3. re-issues the dead worker's pending tasks, in order, to the new process. The oldest was
-#      being made when it died: it is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
+#   3. re-issues the dead worker's pending tasks, in order, to the new process. The one it was
+#      making (a shared value the worker sets before each task: its Result may have died unsent
+#      in the queue's feeder thread) is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
 #      given up and delivered as an error at its position (a poison sample), the epoch going on.
 # A late result of the dead process for a re-issued task is dropped: the first answer counts.
 # Limits: an IterableDataset's position dies with its worker, so its epoch ends with an error;
@@ -186,8 +188,13 @@ class WorkerPool:
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._index_queues: list[Any] = []
         self._incarnations: list[int] = []  # per worker id: its current process's incarnation
+        self._making: list[Any] = []  # per worker id: shared value, the task it is making
+        # Per worker id: the reading end of its own result pipe (None once it hit EOF). One pipe
+        # per process, written synchronously: a worker that dies mid-write cannot leave a lock
+        # held that other workers need (as a shared multiprocessing.Queue's write lock would),
+        # and its reader gets EOF, not a hang.
+        self._results: list[multiprocessing.connection.Connection | None] = []
         self._next_incarnation = itertools.count()
-        self._result_queue: Any = None
         self._current_epoch: Any = None
         self._epoch_keys = itertools.count()
         # (incarnation, slot) -> the slot's bytes, mapped from that worker process's tensor.
@@ -223,15 +230,20 @@ class WorkerPool:
 
     def start(self) -> None:
         """Starts the worker processes (they build the dataset themselves)."""
-        self._result_queue = self._ctx.Queue()
         self._current_epoch = self._ctx.Value("q", -1, lock=False)
         for worker_id in range(self.num_workers):
-            proc, index_queue, incarnation = self._spawn(worker_id)
+            proc, index_queue, incarnation, making, results = self._spawn(worker_id)
             self._workers.append(proc)
             self._index_queues.append(index_queue)
             self._incarnations.append(incarnation)
+            self._making.append(making)
+            self._results.append(results)
 
-    def _spawn(self, worker_id: int) -> tuple[multiprocessing.process.BaseProcess, Any, int]:
+    def _spawn(
+        self, worker_id: int
+    ) -> tuple[
+        multiprocessing.process.BaseProcess, Any, int, Any, multiprocessing.connection.Connection
+    ]:
         # A fresh index queue per process: the old one may still hold tasks the dead process
         # never read, which are re-issued, not read again.
         index_queue = self._ctx.Queue()
@@ -241,16 +253,19 @@ class WorkerPool:
         incarnation = next(self._next_incarnation)
         with self._lock:
             self._released[incarnation] = []
+        making = self._ctx.Value("q", -1, lock=False)
+        results, results_writer = self._ctx.Pipe(duplex=False)
         cfg = WorkerConfig(
             spec=self.spec,
             batching=self.batching,
             worker_id=worker_id,
             num_workers=self.num_workers,
             index_queue=index_queue,
-            result_queue=self._result_queue,
+            results=results_writer,
             current_epoch=self._current_epoch,
             server_pid=os.getpid(),
             incarnation=incarnation,
+            current_task=making,
         )
         proc = self._ctx.Process(  # type: ignore[attr-defined]
             target=worker_loop,
@@ -259,7 +274,9 @@ class WorkerPool:
             daemon=True,
         )
         proc.start()
-        return proc, index_queue, incarnation
+        # Only the worker may hold the writing end: its death then reads as EOF here.
+        results_writer.close()
+        return proc, index_queue, incarnation, making, results
 
     def _release(self, incarnation: int, slot: int) -> None:
         with self._lock:
@@ -335,24 +352,40 @@ class WorkerPool:
             failed = self._check_workers()
             if failed is not None:
                 return failed
-            try:
-                result: Result = self._result_queue.get(
-                    timeout=max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
-                )
-            except queue.Empty:
+            readers = [r for r in self._results if r is not None]
+            wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
+            ready = multiprocessing.connection.wait(readers, timeout=wait) if readers else []
+            if not ready:
+                if not readers:
+                    time.sleep(wait)
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            except Exception:
-                # A result that cannot be unpickled: its worker died while handing over a new
-                # slot's file descriptor. The task is still pending and is re-issued with the
-                # worker's other tasks once its death is seen.
-                log.warning("dropped a result that could not be read", exc_info=True)
-                continue
-            self._accept_buffers(result)
-            outcome = self._outcome(result)
-            if outcome is not None:
-                return outcome
+            for reader in ready:
+                assert isinstance(reader, multiprocessing.connection.Connection)
+                result = self._receive(reader)
+                if result is None:
+                    continue
+                self._accept_buffers(result)
+                outcome = self._outcome(result)
+                if outcome is not None:
+                    return outcome
+
+    def _receive(self, reader: multiprocessing.connection.Connection) -> Result | None:
+        try:
+            result: Result = reader.recv()
+        except (EOFError, OSError):
+            # Its worker is gone (perhaps mid-write): stop reading it; the liveness check
+            # replaces the worker and re-issues its tasks.
+            self._results[self._results.index(reader)] = None
+            return None
+        except Exception:
+            # A result that cannot be unpickled: its worker died while handing over a new
+            # slot's file descriptor. The task is still pending and is re-issued with the
+            # worker's other tasks once its death is seen.
+            log.warning("dropped a result that could not be read", exc_info=True)
+            return None
+        return result
 
     def _outcome(self, result: Result) -> Outcome | None:
         pending = self._pending.get(result.task_id)
@@ -411,11 +444,15 @@ class WorkerPool:
         return failed
 
     def _current_tasks(self) -> dict[int, _Pending]:
-        """Per busy worker, the task it is making now: its oldest pending one."""
+        """Per busy worker, the task it is making now (as it says, else its oldest pending)."""
         current: dict[int, _Pending] = {}
         for p in self._pending.values():
             if p.worker_id not in current or p.submitted_at < current[p.worker_id].submitted_at:
                 current[p.worker_id] = p
+        for worker_id in list(current):
+            making = self._pending.get(self._making[worker_id].value)
+            if making is not None and making.worker_id == worker_id:
+                current[worker_id] = making
         return current
 
     def _stop_stuck(self, stuck: _Pending) -> Outcome:
@@ -447,6 +484,9 @@ class WorkerPool:
             (p for p in self._pending.values() if p.worker_id == worker_id),
             key=lambda p: p.submitted_at,
         )
+        # The task it was making when it died, as it wrote down before starting it (none if it
+        # died between tasks: then nothing is charged).
+        dying_on = self._making[worker_id].value
         reason = f"DataLoader worker {worker_id} (pid {dead.pid}) exited unexpectedly with " + (
             f"exit code {dead.exitcode}"
             if dead.exitcode is None or dead.exitcode >= 0
@@ -466,10 +506,15 @@ class WorkerPool:
             del self._slots[key]
         old_queue = self._index_queues[worker_id]
         old_queue.close()
-        proc, index_queue, incarnation = self._spawn(worker_id)
+        old_results = self._results[worker_id]
+        if old_results is not None:
+            old_results.close()
+        proc, index_queue, incarnation, making, results = self._spawn(worker_id)
         self._workers[worker_id] = proc
         self._index_queues[worker_id] = index_queue
         self._incarnations[worker_id] = incarnation
+        self._making[worker_id] = making
+        self._results[worker_id] = results
         if self._key >= 0 and self._current_epoch.value == self._key:
             index_queue.put(EpochStart(epoch_key=self._key, base_seed=self._base_seed))
         if self.batching.is_iterable and mine:
@@ -482,9 +527,8 @@ class WorkerPool:
                 "without finishing a batch"
             )
         failed: Outcome | None = None
-        for i, pending in enumerate(mine):
-            # The oldest was being made when the process died: it may be what killed it.
-            if i == 0:
+        for pending in mine:
+            if pending.task_id == dying_on:  # it may be what killed the process
                 pending.attempts += 1
             if pending.attempts > MAX_TASK_ATTEMPTS:
                 del self._pending[pending.task_id]
@@ -530,7 +574,9 @@ class WorkerPool:
                     w.kill()
                     w.join(timeout=1.0)
         self._slots.clear()
-        for q in [*self._index_queues, self._result_queue]:
-            if q is not None:
-                q.cancel_join_thread()
-                q.close()
+        for q in self._index_queues:
+            q.cancel_join_thread()
+            q.close()
+        for reader in self._results:
+            if reader is not None:
+                reader.close()

@@ -100,12 +100,16 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     index_queue: Any
-    result_queue: Any
+    # This process's own result pipe (the writing end of a one-way Pipe).
+    results: Any
     # The current epoch's key, shared with the server, so a worker skips tasks of an epoch the
     # server has abandoned (a client that went away) instead of loading them.
     current_epoch: Any
     server_pid: int
     incarnation: int = 0
+    # The task this worker is making (-1: none), written before each task: if the process dies,
+    # the server knows which batch it died on (a Result may die unsent with it).
+    current_task: Any = None
 
 
 # --- pieces shared with the in-process path ---------------------------------------------
@@ -280,7 +284,16 @@ def worker_loop(cfg: WorkerConfig) -> None:
             continue  # an abandoned epoch: the server no longer waits for this result
         if msg.seed is not None:
             seed_rngs(msg.seed, 0)
-        cfg.result_queue.put(_run_task(cfg, msg, fetcher, slots, init_error, where))
+        if cfg.current_task is not None:
+            cfg.current_task.value = msg.task_id
+        result = _run_task(cfg, msg, fetcher, slots, init_error, where)
+        if cfg.current_task is not None:
+            cfg.current_task.value = -1
+        try:
+            cfg.results.send(result)
+        except (BrokenPipeError, OSError):
+            return  # the server is gone (or replaced this worker): nobody reads results
+        del result
         del msg
 
 

@@ -86,6 +86,16 @@ def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, err
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has exited; it only waits to be reaped)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
 def assert_same(a: Any, b: Any, path: str = "batch") -> None:
     """Exact equality of two batches: same types, dtypes, shapes and values."""
     if isinstance(a, torch.Tensor):

@@ -207,3 +207,39 @@ class Blobs(Dataset[dict[str, Any]]):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"index": i, "data": torch.full((self.nbytes,), i % 256, dtype=torch.uint8)}
+
+
+class Crashing(Dataset[int]):
+    """Index `bad` crashes the process that reads it with a segfault, every time."""
+
+    def __init__(self, n: int = 20, bad: int = 7) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return i
+
+
+class Sleepy(Dataset[int]):
+    """Index `bad` sleeps `seconds` (past any sensible timeout); the others are quick."""
+
+    def __init__(self, n: int = 10, bad: int = 4, seconds: float = 60.0) -> None:
+        self.n, self.bad, self.seconds = n, bad, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            time.sleep(self.seconds)
+        return i
+
+
+def failing_init(worker_id: int) -> None:
+    raise RuntimeError(f"worker_init_fn fails on purpose in worker {worker_id}")

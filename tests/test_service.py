@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,7 +18,7 @@ from remote_loader.client import (
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import StartServer
+from tests.conftest import StartServer, process_alive
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
 FAILING = LoaderSpec(
@@ -161,16 +160,6 @@ def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
                 break
     # The stream's workers (a pool of its own: not persistent) exit once the client has gone.
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pids and not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited but is not reaped yet; it no longer works.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+    assert pids and not any(process_alive(pid) for pid in pids)

@@ -1,0 +1,351 @@
+"""Failures: dead and stuck workers, poison samples, vanished clients, a killed or stopped server.
+
+Every test here is bounded well under 30 s; see NOTE [ Worker Failures ] in server/pool.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader, RequestError
+from remote_loader.server.pool import MAX_TASK_ATTEMPTS, WorkerPool
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ROOT, Served, ServeLoaders, process_alive, serve_process
+
+
+def slow(name: str = "slow", n: int = 40, seconds: float = 0.004, **options: Any) -> LoaderSpec:
+    values: dict[str, Any] = {
+        "name": name,
+        "dataset": "tests.datasets:Slow",
+        "dataset_kwargs": {"n": n, "seconds": seconds},
+        "batch_size": 2,
+        "num_workers": 2,
+        "persistent_workers": True,
+    }
+    values.update(options)
+    return LoaderSpec(**values)
+
+
+def values(batches: Any) -> list[int]:
+    return [int(v) for batch in batches for v in batch]
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def persistent_pool(served: Served, name: str) -> WorkerPool:
+    pool = served.hosts[name]._persistent
+    assert pool is not None
+    return pool
+
+
+@pytest.mark.timeout(30)
+def test_killed_workers_are_replaced_and_nothing_is_lost(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(slow())
+    pool = persistent_pool(served, "slow")
+    rng = random.Random(0)
+    kills = 0
+    with RemoteLoader(served.address) as loader:
+        for _ in range(20):
+            got: list[int] = []
+            kill_at = rng.randrange(0, 20)
+            for i, batch in enumerate(loader):
+                got.extend(int(v) for v in batch)
+                if i == kill_at:
+                    os.kill(rng.choice(pool.pids), signal.SIGKILL)
+                    kills += 1
+            assert got == list(range(40))  # every batch once, in order, no error
+        # A death after the epoch's last task is noticed when the next epoch polls.
+        assert values(loader) == list(range(40))
+    assert served.hosts["slow"]._persistent is pool  # the same pool, its workers replaced
+    assert pool.restarts == kills == 20
+
+
+@pytest.mark.timeout(30)
+def test_a_sample_that_crashes_its_worker_is_given_up(serve_loaders: ServeLoaders) -> None:
+    spec = LoaderSpec(
+        name="crash",
+        dataset="tests.datasets:Crashing",
+        dataset_kwargs={"n": 12, "bad": 5},
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    served = serve_loaders(spec)
+    with RemoteLoader(served.address) as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        error = info.value
+        assert error.position == 5 and error.remote_type == "WorkerDiedError"
+        assert f"signal 11 while making this batch, {MAX_TASK_ATTEMPTS} times" in str(error)
+        assert values(it) == list(range(6, 12))  # the stream goes on after it
+    assert persistent_pool(served, "crash").restarts == MAX_TASK_ATTEMPTS
+
+
+@pytest.mark.timeout(30)
+def test_a_sample_past_the_timeout_is_an_error_at_its_position(
+    serve_loaders: ServeLoaders,
+) -> None:
+    timeout = 1.0
+    spec = LoaderSpec(
+        name="sleepy",
+        dataset="tests.datasets:Sleepy",
+        dataset_kwargs={"n": 10, "bad": 4, "seconds": 60},
+        batch_size=1,
+        num_workers=2,
+        timeout=timeout,
+    )
+    served = serve_loaders(spec)
+    with RemoteLoader(served.address) as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(4)] == [0, 1, 2, 3]
+        started = time.monotonic()
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        waited = time.monotonic() - started
+        assert info.value.position == 4 and info.value.remote_type == "TimeoutError"
+        assert "timed out after 1.0 seconds" in str(info.value)
+        assert waited < timeout + 2, waited
+        assert values(it) == list(range(5, 10))
+
+
+CLIENT = """
+import sys
+from remote_loader.client import RemoteLoader
+with RemoteLoader(sys.argv[1], prefetch=1) as loader:
+    for i, batch in enumerate(loader):
+        print(i, flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_killed_client_frees_the_server_within_two_seconds(
+    serve_loaders: ServeLoaders,
+) -> None:
+    served = serve_loaders(slow(n=400, seconds=0.01))
+    host = served.hosts["slow"]
+    pool = persistent_pool(served, "slow")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def client() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", CLIENT, served.address],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    warm = client()  # a whole epoch first: the server's threads are all started after it
+    warm.communicate(timeout=20)
+    assert wait_until(lambda: not host.runs.active(), 2)
+    baseline = threading.active_count()
+    victim = client()
+    assert victim.stdout is not None
+    for _ in range(3):
+        victim.stdout.readline()
+    assert host.runs.active() and pool.outstanding > 0  # it is mid-epoch
+    victim.kill()
+    victim.communicate()
+    killed = time.monotonic()
+    assert wait_until(
+        lambda: (
+            not host.runs.active()
+            and pool.outstanding == 0
+            and threading.active_count() <= baseline
+        ),
+        2.0,
+    ), (host.runs.active(), pool.outstanding, threading.active_count(), baseline)
+    assert time.monotonic() - killed < 2.0
+    # The workers skip what was queued for that epoch, and serve the next client at once.
+    with RemoteLoader(served.address) as loader:
+        assert values(loader) == list(range(400))
+
+
+def descendants(pid: int) -> set[int]:
+    """All processes below `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+SLOW_FLAGS = [
+    "--dataset",
+    "tests.datasets:Slow",
+    "--dataset-kwargs",
+    '{"n": 100, "seconds": 0.05}',
+    "--batch-size",
+    "2",
+    "--num-workers",
+    "2",
+    "--persistent-workers",
+]
+
+
+@pytest.mark.timeout(30)
+def test_killed_server_leaves_no_worker_and_no_shared_memory() -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    proc, address = serve_process(*SLOW_FLAGS)
+    with RemoteLoader(address, retries=0) as loader:
+        it = iter(loader)
+        next(it)  # the workers hold shared-memory slots now
+        family = descendants(proc.pid)
+        assert len(family) >= 3  # the fork server and two workers (and a resource tracker)
+        proc.kill()
+        proc.communicate()
+        started = time.monotonic()
+        assert wait_until(lambda: not any(process_alive(p) for p in family), 10.0)
+        gone_after = time.monotonic() - started
+    assert gone_after < 10.0
+    assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=2
+        )
+    return int(reply.status)
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_drains_then_exits_zero() -> None:
+    grace = 5.0
+    proc, address = serve_process(*SLOW_FLAGS, "--grace", str(grace))
+    assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+    got: list[int] = []
+    errors: list[BaseException] = []
+    reading = threading.Event()
+
+    def consume() -> None:  # about 2.5 s of batches: it ends within the grace period
+        try:
+            with RemoteLoader(address, retries=0) as loader:
+                for batch in loader:
+                    got.extend(int(v) for v in batch)
+                    reading.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    running = threading.Thread(target=consume)
+    running.start()
+    assert reading.wait(10)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert wait_until(
+        lambda: health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING, 2
+    )
+    with pytest.raises(ConnectionLostError, match="shutting down"):
+        RemoteLoader(address, retries=0)  # new work is refused at once
+    running.join(timeout=grace + 5)
+    assert not errors and got == list(range(100))  # the running stream finished whole
+    _, err = proc.communicate(timeout=grace + 5)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - signalled < grace + 5
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_cancels_streams_that_outlast_the_grace() -> None:
+    grace = 1.0
+    proc, address = serve_process(*SLOW_FLAGS, "--grace", str(grace))
+    with RemoteLoader(address, retries=0) as loader:
+        it = iter(loader)
+        next(it)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        with pytest.raises(ConnectionLostError):
+            for _ in it:  # 2.5 s of batches: more than the grace
+                pass
+    _, err = proc.communicate(timeout=grace + 5)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - signalled < grace + 5
+
+
+@pytest.mark.timeout(30)
+def test_fifty_respawns_under_running_streams_do_not_deadlock(
+    serve_loaders: ServeLoaders,
+) -> None:
+    served = serve_loaders(slow(n=200, seconds=0.002))
+    pool = persistent_pool(served, "slow")
+    stop = threading.Event()
+    epochs = [0, 0]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:  # two ranks share the pool's Run
+        try:
+            with RemoteLoader(served.address, rank=r, world_size=2) as loader:
+                while not stop.is_set():
+                    assert values(loader) == list(range(r, 200, 2))
+                    epochs[r] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    kills = 0
+    rng = random.Random(1)
+    while kills < 50 and not errors:
+        try:
+            os.kill(rng.choice(pool.pids), signal.SIGKILL)
+            kills += 1
+        except ProcessLookupError:
+            pass  # already dead, not yet replaced
+        time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join(timeout=15)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors[0]
+    assert kills == 50 and min(epochs) >= 1
+    with RemoteLoader(served.address) as loader:  # a death after the last poll is seen here
+        assert values(loader) == list(range(200))
+    assert pool.restarts == kills
+
+
+@pytest.mark.timeout(30)
+def test_failing_worker_init_fn_fails_the_stream_with_its_traceback(
+    serve_loaders: ServeLoaders,
+) -> None:
+    spec = LoaderSpec(
+        name="init",
+        dataset="tests.datasets:Squares",
+        num_workers=2,
+        worker_init_fn="tests.datasets:failing_init",
+    )
+    served = serve_loaders(spec)
+    with RemoteLoader(served.address) as loader, pytest.raises(RequestError) as info:
+        next(iter(loader))
+    text = str(info.value)
+    assert "cannot make batches: RuntimeError in DataLoader worker process" in text
+    assert "worker_init_fn fails on purpose" in text
+    assert 'tests/datasets.py", line' in text  # the original traceback
