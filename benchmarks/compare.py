@@ -1,17 +1,31 @@
 """Throughput of torch's DataLoader in this process vs RemoteLoader from a server on loopback.
 
-For each workload in benchmarks/workloads.py (`Images`: transport-bound, `Heavy`: compute-bound)
-the same dataset, batch size and worker count run both ways: a local `DataLoader` (forkserver,
-persistent workers) and a `RemoteLoader` against `remote-loader serve` started as a separate
-process. Timed rounds alternate local/remote after one untimed warm-up epoch each; the table
-shows medians over rounds (batches/s, GB/s of tensor bytes, time to the first batch of an
-epoch), the ratio remote/local, and CPU seconds per epoch: this process for both, the local
-workers or the whole server process tree. A raw grpcio stream of 4 MiB `bytes` messages on
-loopback, measured in the same run, is the transport ceiling. Every number is measured now.
+For each workload (`images`: transport-bound, batches of about 9.6 MB from a nearly free
+`__getitem__`; `heavy`: compute-bound, a few ms of convolutions per sample; both in
+benchmarks/workloads.py; `demo`: the built-in image folder of remote_loader.server.datasets, 512
+JPEGs decoded, randomly cropped and flipped, with `return_index`) the same dataset, batch size
+and worker count run both ways: a local `DataLoader` (forkserver, persistent workers) and a
+`RemoteLoader` against `remote-loader serve` started as a separate process. Neither side
+shuffles. `images` and `heavy` hold `--batches` batches; `demo` always reads its whole folder
+(512 / batch size batches, the last one maybe short). Timed rounds alternate local/remote after
+one untimed warm-up epoch each; the table shows medians over rounds (batches/s, GB/s of tensor
+bytes, time to the first batch of an epoch), the ratio remote/local (median over rounds of each
+round's ratio), CPU seconds per epoch and peak RSS over the timed epochs, of the client (this
+process, for both sides) and of the server (local: the DataLoader's fork server and workers,
+i.e. this process's descendants but the loader server's tree; remote: the server process tree,
+i.e. the server, its fork server and its workers). A background thread samples RSS every
+25 ms (/proc/PID/statm); its own CPU is left out of the client's. RSS is summed over processes,
+so memory shared between them (the fork server's pages its workers still share, shared-memory
+tensors) is counted once in each process that maps it; the client's RSS also keeps what the
+other side's epochs left allocated in this process. A raw grpcio stream of 4 MiB `bytes`
+messages on loopback, measured in the same run, is the transport ceiling. Every number is
+measured now. A progress bar on stderr advances per epoch; `--plot FILE.png` draws the ratios
+and throughputs (needs matplotlib: pip install '.[bench]').
 
 Run from the repository root:
 
     python benchmarks/compare.py [--batch-size 64] [--workers 2] [--rounds 3] [--batches 40]
+                                 [--workloads images,heavy,demo] [--plot FILE.png]
     python benchmarks/compare.py --quick        # smoke run: 10 batches, 1 round
 """
 
@@ -20,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -38,9 +53,11 @@ from typing import Any
 import grpc
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import spawn_serve
+from remote_loader.server.cli import DEMO_DATASET, spawn_serve
+from remote_loader.server.datasets import DEMO_CLASSES, DEMO_PER_CLASS, demo_folder
 from remote_loader.server.spec import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,14 +69,23 @@ if str(ROOT) not in sys.path:
 WORKLOADS = {
     "images": "benchmarks.workloads:Images",
     "heavy": "benchmarks.workloads:Heavy",
+    "demo": DEMO_DATASET,
 }
+# The built-in image folder's length, whatever --batches says.
+DEMO_SAMPLES = DEMO_CLASSES * DEMO_PER_CLASS
 # The raw ceiling's message: the size of the frames RemoteLoader's server sends by default.
 RAW_MESSAGE_BYTES = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Stream"
 # Seconds a server process may take to print its port (it imports torch and starts workers).
 STARTUP_TIMEOUT = 120.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 GB = 1e9
+MB = 1e6
+# Seconds between two RSS samples, and between two listings of the processes a side's loader
+# runs in (a full /proc scan; its workers are persistent, so the list hardly ever changes).
+RSS_INTERVAL = 0.025
+RSS_RELIST = 0.5
 
 
 def subprocess_env() -> dict[str, str]:
@@ -89,21 +115,85 @@ def _process_table() -> dict[int, tuple[int, float]]:
     return table
 
 
-def tree_cpu(root: int, *, include_root: bool = True, exclude: Iterable[int] = ()) -> float:
-    """CPU seconds of `root` and its live descendants, skipping the subtrees of `exclude`."""
-    table = _process_table()
+def tree_pids(
+    root: int,
+    *,
+    include_root: bool = True,
+    exclude: Iterable[int] = (),
+    table: dict[int, tuple[int, float]] | None = None,
+) -> list[int]:
+    """`root` and its live descendants, skipping the subtrees of `exclude`."""
+    if table is None:
+        table = _process_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
     skip = set(exclude)
-    total = table[root][1] if include_root and root in table else 0.0
+    pids = [root] if include_root and root in table else []
     todo = [root]
     while todo:
         for child in children.get(todo.pop(), []):
             if child not in skip:
-                total += table[child][1]
+                pids.append(child)
                 todo.append(child)
-    return total
+    return pids
+
+
+def tree_cpu(root: int, *, include_root: bool = True, exclude: Iterable[int] = ()) -> float:
+    """CPU seconds of `root` and its live descendants, skipping the subtrees of `exclude`."""
+    table = _process_table()
+    pids = tree_pids(root, include_root=include_root, exclude=exclude, table=table)
+    return sum(table[pid][1] for pid in pids)
+
+
+def process_rss(pid: int) -> int:
+    """Resident bytes of process `pid` (/proc/PID/statm, as psutil reads it); 0 once it exited."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PeakRss:
+    """Within `with`: samples RSS every RSS_INTERVAL s in a thread and keeps the maxima.
+
+    `client` is this process's peak, `server` the peak of the RSS summed over `server_pids()`
+    (listed again every RSS_RELIST s), both in bytes; `cpu` is the sampling thread's own CPU
+    seconds, for the caller to leave out of this process's.
+    """
+
+    def __init__(self, server_pids: Callable[[], list[int]]) -> None:
+        self._server_pids = server_pids
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self.client = 0
+        self.server = 0
+        self.cpu = 0.0
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        start = time.thread_time()
+        me = os.getpid()
+        pids: list[int] = []
+        listed = float("-inf")
+        while True:
+            now = time.monotonic()
+            if now - listed >= RSS_RELIST:
+                pids, listed = self._server_pids(), now
+            self.client = max(self.client, process_rss(me))
+            self.server = max(self.server, sum(process_rss(pid) for pid in pids))
+            if self._stop.is_set():
+                break  # that was the last sample, taken after the epoch's end
+            self._stop.wait(RSS_INTERVAL)
+        self.cpu = time.thread_time() - start
 
 
 def tensor_bytes(batch: Any) -> int:
@@ -170,14 +260,39 @@ def run_epoch(loader: Iterable[Any]) -> Epoch:
 
 @dataclasses.dataclass
 class Side:
-    """The timed epochs of one loader and the CPU seconds they cost."""
+    """The timed epochs of one loader, the CPU seconds they cost and the peak RSS they saw."""
 
     epochs: list[Epoch] = dataclasses.field(default_factory=list)
     main_cpu: float = 0.0  # this process (time.process_time), summed over the timed epochs
     loader_cpu: float = 0.0  # local workers, or the server process tree, summed likewise
+    main_rss: int = 0  # this process, bytes: the peak over the timed epochs
+    loader_rss: int = 0  # local workers, or the server process tree, summed: the peak likewise
 
     def median(self, value: Callable[[Epoch], float]) -> float:
         return statistics.median(value(e) for e in self.epochs)
+
+    def timed_epoch(
+        self,
+        loader: Iterable[Any],
+        loader_cpu: Callable[[], float],
+        loader_pids: Callable[[], list[int]],
+    ) -> None:
+        """Runs one timed epoch of `loader` and adds its numbers to this side."""
+        cpu, loader_before = time.process_time(), loader_cpu()
+        with PeakRss(loader_pids) as rss:
+            self.epochs.append(run_epoch(loader))
+        self.main_cpu += time.process_time() - cpu - rss.cpu
+        self.loader_cpu += loader_cpu() - loader_before
+        self.main_rss = max(self.main_rss, rss.client)
+        self.loader_rss = max(self.loader_rss, rss.server)
+
+
+def ratios(local: Side, remote: Side) -> list[float]:
+    """Remote batches/s over local batches/s, round by round."""
+    return [
+        r.batches_per_s / loc.batches_per_s
+        for loc, r in zip(local.epochs, remote.epochs, strict=True)
+    ]
 
 
 # --- the loader server -----------------------------------------------------------------------
@@ -207,14 +322,14 @@ def _port(line: str, what: str) -> int:
 
 
 def start_loader_server(
-    dataset: str, n: int, batch_size: int, workers: int
+    dataset: str, kwargs: dict[str, Any], batch_size: int, workers: int
 ) -> tuple[subprocess.Popen[str], str]:
     """`remote-loader serve` for one dataset as a separate process; returns it and its address."""
     flags = [
         "--dataset",
         dataset,
         "--dataset-kwargs",
-        json.dumps({"n": n}),
+        json.dumps(kwargs),
         "--batch-size",
         str(batch_size),
         "--num-workers",
@@ -240,38 +355,67 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 # --- local vs remote -------------------------------------------------------------------------
 
 
-def compare(name: str, args: argparse.Namespace) -> tuple[Side, Side]:
+def dataset_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments workload `name` is built with, on both sides."""
+    if name == "demo":
+        return {"return_index": True}  # as `remote-loader serve` hosts it by default
+    return {"n": args.batches * args.batch_size}
+
+
+def batches_per_epoch(name: str, args: argparse.Namespace) -> int:
+    """Batches in one epoch of workload `name` (the last one may be short)."""
+    batch_size: int = args.batch_size
+    samples = DEMO_SAMPLES if name == "demo" else args.batches * batch_size
+    return -(-samples // batch_size)
+
+
+def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> tuple[Side, Side]:
     """Warm-up, then `args.rounds` alternating local/remote epochs of workload `name`."""
     path = WORKLOADS[name]
-    n = args.batches * args.batch_size
+    kwargs = dataset_kwargs(name, args)
+    bar.set_description(f"{name}: starting the server")
     local_loader = DataLoader(
-        resolve(path, "dataset")(n=n),
+        resolve(path, "dataset")(**kwargs),
         batch_size=args.batch_size,
         num_workers=args.workers,
         persistent_workers=True,
         multiprocessing_context="forkserver",
     )
-    server, address = start_loader_server(path, n, args.batch_size, args.workers)
+    server, address = start_loader_server(path, kwargs, args.batch_size, args.workers)
     local, remote = Side(), Side()
 
+    # Local: this process's descendants but the server's tree: the fork server and its workers.
+    def workers() -> list[int]:
+        return tree_pids(os.getpid(), include_root=False, exclude=[server.pid])
+
     def workers_cpu() -> float:
-        # This process's descendants but the server's tree: the fork server and its workers.
         return tree_cpu(os.getpid(), include_root=False, exclude=[server.pid])
+
+    # Remote: the server, its fork server and its workers.
+    def served() -> list[int]:
+        return tree_pids(server.pid)
+
+    def served_cpu() -> float:
+        return tree_cpu(server.pid)
+
+    def epoch(what: str) -> None:
+        bar.set_description(f"{name}: {what}")
 
     try:
         with RemoteLoader(address, device="cpu") as remote_loader:
+            epoch("warm-up, local")
             run_epoch(local_loader)  # starts the fork server and the persistent workers
+            bar.update()
+            epoch("warm-up, remote")
             run_epoch(remote_loader)
-            for _ in range(args.rounds):
-                cpu, workers = time.process_time(), workers_cpu()
-                local.epochs.append(run_epoch(local_loader))
-                local.main_cpu += time.process_time() - cpu
-                local.loader_cpu += workers_cpu() - workers
-
-                cpu, served = time.process_time(), tree_cpu(server.pid)
-                remote.epochs.append(run_epoch(remote_loader))
-                remote.main_cpu += time.process_time() - cpu
-                remote.loader_cpu += tree_cpu(server.pid) - served
+            bar.update()
+            for r in range(1, args.rounds + 1):
+                epoch(f"round {r}/{args.rounds}, local")
+                local.timed_epoch(local_loader, workers_cpu, workers)
+                bar.update()
+                epoch(f"round {r}/{args.rounds}, remote")
+                remote.timed_epoch(remote_loader, served_cpu, served)
+                bar.update()
     finally:
         stop_process(server)
         # The last reference: its iterator's finalizer shuts the persistent workers down.
@@ -309,8 +453,9 @@ def raw_server() -> int:
     return 0
 
 
-def raw_ceiling(args: argparse.Namespace) -> list[float]:
+def raw_ceiling(args: argparse.Namespace, bar: tqdm[Any]) -> list[float]:
     """GB/s of `args.batches` raw messages per round from a `--raw-server` process."""
+    bar.set_description("raw grpcio: starting the server")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--raw-server"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=subprocess_env())
     rates = []
@@ -324,13 +469,90 @@ def raw_ceiling(args: argparse.Namespace) -> list[float]:
             )
             request = str(args.batches).encode()
             for round_ in range(args.rounds + 1):  # round 0 is the warm-up
+                bar.set_description(
+                    f"raw grpcio: round {round_}/{args.rounds}" if round_ else "raw grpcio: warm-up"
+                )
                 start = time.perf_counter()
                 nbytes = sum(len(m) for m in call(request, wait_for_ready=True, timeout=600))
                 if round_:
                     rates.append(nbytes / GB / (time.perf_counter() - start))
+                bar.update()
     finally:
         stop_process(proc)
     return rates
+
+
+# --- the chart ---------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, tuple[Side, Side]], raw: list[float], path: str, title: str) -> None:
+    """Draws the ratios remote/local, batches/s and GB/s of both sides into the image `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    xs = list(range(len(names)))
+    colors = {"local": "tab:blue", "remote": "tab:orange"}
+    fig, (ax_ratio, ax_rate, ax_gb) = plt.subplots(1, 3, figsize=(16, 5.2))
+
+    # The median as a bar, each round's ratio as a dot.
+    every = {name: ratios(*results[name]) for name in names}
+    medians = [statistics.median(every[name]) for name in names]
+    bars = ax_ratio.bar(xs, medians, width=0.55, color="tab:green", alpha=0.8, label="median")
+    ax_ratio.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3)
+    ax_ratio.plot(
+        [x for x, name in zip(xs, names, strict=True) for _ in every[name]],
+        [r for name in names for r in every[name]],
+        "k.",
+        alpha=0.6,
+        label="each round",
+    )
+    ax_ratio.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
+    ax_ratio.set_ylim(0, max(1.0, *(r for rs in every.values() for r in rs)) * 1.35)
+    ax_ratio.set_title("remote / local throughput (batches/s)")
+    ax_ratio.legend(loc="upper left", ncols=3)
+
+    def grouped(ax: Any, value: Callable[[Epoch], float], fmt: str) -> list[float]:
+        values = []
+        for offset, label, index in ((-0.2, "local", 0), (0.2, "remote", 1)):
+            medians = [results[name][index].median(value) for name in names]
+            bars = ax.bar(
+                [x + offset for x in xs], medians, width=0.4, color=colors[label], label=label
+            )
+            ax.bar_label(bars, labels=[format(v, fmt) for v in medians], padding=2, fontsize=8)
+            values += medians
+        return values
+
+    rates = grouped(ax_rate, lambda e: e.batches_per_s, ".1f")
+    ax_rate.set_ylim(0, max(rates) * 1.3)  # room for the labels and the legend
+    ax_rate.set_title("batches/s (median)")
+    ax_rate.legend(loc="upper left", ncols=2)
+
+    gb_rates = grouped(ax_gb, lambda e: e.gb_per_s, ".2g")
+    ceiling = statistics.median(raw)
+    ax_gb.axhline(
+        ceiling,
+        color="tab:red",
+        linestyle="--",
+        linewidth=1,
+        label=f"raw grpcio ceiling {ceiling:.2f} GB/s",
+    )
+    ax_gb.set_yscale("log")
+    # Room above the ceiling for the legend, below the smallest bar for its base.
+    ax_gb.set_ylim(min(gb_rates) / 3, max(ceiling, *gb_rates) * 60)
+    ax_gb.set_title("GB/s of tensor bytes (median, log scale)")
+    handles, labels = ax_gb.get_legend_handles_labels()  # the line first: put it last
+    ax_gb.legend(handles[1:] + handles[:1], labels[1:] + labels[:1], loc="upper left", ncols=2)
+
+    for ax in (ax_ratio, ax_rate, ax_gb):
+        ax.set_xticks(xs, names)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -339,31 +561,43 @@ def raw_ceiling(args: argparse.Namespace) -> list[float]:
 def _table(results: dict[str, tuple[Side, Side]], raw: list[float], rounds: int) -> str:
     header = (
         f"{'workload':<9} {'loader':<7} {'batches/s':>10} {'GB/s':>9} {'1st batch ms':>13} "
-        f"{'main CPU s':>11} {'loader CPU s':>13}  loader CPU is"
+        f"{'client CPU s':>13} {'server CPU s':>13} {'client RSS MB':>14} {'server RSS MB':>14}"
     )
     lines = [header, "-" * len(header)]
     for name, (local, remote) in results.items():
-        for label, side, whose in (
-            ("local", local, "DataLoader workers"),
-            ("remote", remote, "server + its workers"),
-        ):
+        for label, side in (("local", local), ("remote", remote)):
             rate = side.median(lambda e: e.batches_per_s)
             gb_rate = side.median(lambda e: e.gb_per_s)
             first_ms = side.median(lambda e: e.first_batch) * 1e3
             lines.append(
                 f"{name:<9} {label:<7} {rate:>10.1f} {gb_rate:>9.3g} {first_ms:>13.1f} "
-                f"{side.main_cpu / rounds:>11.2f} {side.loader_cpu / rounds:>13.2f}  {whose}"
+                f"{side.main_cpu / rounds:>13.2f} {side.loader_cpu / rounds:>13.2f} "
+                f"{side.main_rss / MB:>14.0f} {side.loader_rss / MB:>14.0f}"
             )
-        ratio = statistics.median(
-            r.batches_per_s / loc.batches_per_s
-            for loc, r in zip(local.epochs, remote.epochs, strict=True)
-        )
+        ratio = statistics.median(ratios(local, remote))
         lines.append(f"{name:<9} {'remote/local throughput':<35} {ratio:.2f}x")
-    lines.append(
+    lines += [
         f"raw grpcio ceiling ({RAW_MESSAGE_BYTES >> 20} MiB bytes messages, loopback): "
-        f"{statistics.median(raw):.3f} GB/s"
-    )
+        f"{statistics.median(raw):.3f} GB/s",
+        "",
+        "client: this process, which reads the batches (both sides). server: local, the "
+        "DataLoader's fork server and",
+        "workers; remote, the server process, its fork server and its workers. CPU s: per "
+        "epoch. RSS MB: the peak over",
+        "the timed epochs, summed over the processes (memory they share is counted in each "
+        "that maps it).",
+    ]
     return "\n".join(lines)
+
+
+def _workloads(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(WORKLOADS)}; got {text!r}"
+        )
+    return list(dict.fromkeys(names))  # in the order given, each once
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -373,7 +607,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="num_workers, both sides")
     parser.add_argument("--rounds", type=int, default=3, help="timed epochs per loader")
-    parser.add_argument("--batches", type=int, default=40, help="batches per epoch")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=40,
+        help="batches per epoch (images, heavy; demo reads its 512 images)",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=_workloads,
+        default=list(WORKLOADS),
+        metavar="A,B,...",
+        help=f"which to run, in this order (default {','.join(WORKLOADS)})",
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="also draw the results into this image (matplotlib)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 batches, 1 round")
     parser.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -388,16 +637,42 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("batch_size", "workers", "rounds", "batches"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.plot is not None:
+        # Checked now, not after minutes of measuring.
+        if importlib.util.find_spec("matplotlib") is None:
+            raise SystemExit("--plot needs matplotlib: pip install '.[bench]'")
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise SystemExit(f"--plot: no such directory for {args.plot!r}")
+    names: list[str] = args.workloads
+    demo = ""
+    if "demo" in names:
+        demo = f" (demo: its {DEMO_SAMPLES} images, {batches_per_epoch('demo', args)} batches)"
+    settings = (
+        f"batch {args.batch_size}, {args.workers} workers, {args.batches} batches/epoch{demo}, "
+        f"{args.rounds} timed round(s)"
+    )
     print(
-        f"DataLoader in-process vs RemoteLoader over loopback: batch {args.batch_size}, "
-        f"{args.workers} workers, {args.batches} batches/epoch, {args.rounds} timed round(s) "
+        f"DataLoader in-process vs RemoteLoader over loopback: {settings} "
         f"(medians; CPU s per epoch)\n{os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"grpcio {grpc.__version__}\n",
         flush=True,
     )
-    results = {name: compare(name, args) for name in WORKLOADS}
-    raw = raw_ceiling(args)
+    if "demo" in names:
+        demo_folder()  # generated once into the cache, before either side reads it
+    epochs = (len(names) * 2 + 1) * (args.rounds + 1)  # warm-ups and rounds, raw ceiling too
+    with tqdm(total=epochs, unit="epoch", file=sys.stderr, leave=False) as bar:
+        results = {name: compare(name, args, bar) for name in names}
+        raw = raw_ceiling(args, bar)
     print(_table(results, raw, args.rounds))
+    if args.plot is not None:
+        plot(
+            results,
+            raw,
+            args.plot,
+            f"DataLoader in-process vs RemoteLoader over loopback: {settings}; "
+            f"{os.cpu_count()} CPUs, torch {torch.__version__}, grpcio {grpc.__version__}",
+        )
+        print(f"\nchart: {args.plot}")
     return 0
 
 
