@@ -1,4 +1,5 @@
-"""The `remote-loader` command: `serve` hosts loaders, `demo` runs a server and two trainers."""
+"""The `remote-loader` command: `serve` hosts loaders, `demo` runs a server and two trainers,
+`check-config` validates a config file, `health` asks a server whether it is serving."""
 
 from __future__ import annotations
 
@@ -78,6 +79,24 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO")
     add_spec_arguments(serve)
 
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config file and list its loaders",
+        description="Builds every loader of FILE as `serve` would (imports, datasets, torch's "
+        "option checks) without starting workers; exits 2 at the first error.",
+    )
+    check.add_argument("file", help="TOML file with [loaders.NAME] tables")
+
+    health = sub.add_parser(
+        "health",
+        help="exit 0 if the server at ADDR is SERVING (for container health checks)",
+    )
+    health.add_argument("address", help="HOST:PORT of a remote-loader server")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    health.add_argument(
+        "--service", default="", help="health service name (default: the whole server)"
+    )
+
     demo = sub.add_parser("demo", help="run a server and two trainers on the demo images")
     demo.add_argument(
         "--trainers",
@@ -95,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "check-config":
+        return _check_config(args.file)
+    if args.command == "health":
+        return _health(args.address, args.timeout, args.service)
     return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers)
 
 
@@ -128,6 +151,58 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:  # an option torch rejects, with torch's message
         print(f"remote-loader: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_config(path: str) -> int:
+    """Builds each loader of `path` (no workers started) and prints what it serves."""
+    import multiprocessing
+
+    from remote_loader.server.host import LoaderHost
+
+    name: str | None = None  # the loader being built, for the error message
+    try:
+        specs = load_config(path)
+        # Workers are never started here, so the context is only stored.
+        ctx = multiprocessing.get_context("forkserver")
+        for name, spec in specs.items():
+            host = LoaderHost(spec, ctx)
+            try:
+                length = f"{len(host)} batches/epoch"
+            except TypeError:
+                length = "length unknown (IterableDataset)"
+            print(
+                f"{name}: {spec.dataset}, {host.dataset_kind} dataset, batch_size "
+                f"{spec.batch_size}, {length}, num_workers {spec.num_workers}, "
+                f"sharing {', '.join(spec.sharing)}, fingerprint {spec.fingerprint()}"
+            )
+    except ConfigError as exc:
+        print(f"remote-loader: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # an option torch rejects, or a dataset factory that raises
+        where = f"loader {name!r}: " if name is not None else ""
+        print(f"remote-loader: error: {where}{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: {len(specs)} loader(s), all valid")
+    return 0
+
+
+def _health(address: str, timeout: float, service: str) -> int:
+    """0 if `address` answers SERVING, 1 if it answers anything else, 2 if it does not answer."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            print(f"remote-loader: {address}: no health answer: {details}", file=sys.stderr)
+            return 2
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 # --- demo -------------------------------------------------------------------------------------

@@ -93,3 +93,57 @@ def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
     )
     assert "trainer 1" in result.stderr  # the progress bars
     assert time.monotonic() - started < 60
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the configs name tests.datasets
+    return subprocess.run(
+        [sys.executable, "-m", "remote_loader.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_check_config(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(
+        '[loaders.train]\ndataset = "tests.datasets:Squares"\nbatch_size = 8\nnum_workers = 2\n'
+        '\n[loaders.stream]\ndataset = "tests.datasets:Sharded"\nbatch_size = 2\n'
+    )
+    result = _cli("check-config", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "train: tests.datasets:Squares, map dataset, batch_size 8, 7 batches/epoch" in (
+        result.stdout
+    )
+    assert "stream: tests.datasets:Sharded, iterable dataset" in result.stdout
+    assert "2 loader(s), all valid" in result.stdout
+
+    conflict = tmp_path / "conflict.toml"
+    conflict.write_text(
+        '[loaders.a]\ndataset = "tests.datasets:Squares"\npersistent_workers = true\n'
+    )
+    result = _cli("check-config", str(conflict))
+    assert result.returncode == 2
+    assert (
+        "loader 'a': ValueError: persistent_workers option needs num_workers > 0" in result.stderr
+    )
+
+    bad_import = tmp_path / "bad.toml"
+    bad_import.write_text('[loaders.a]\ndataset = "tests.datasets:Nope"\n')
+    result = _cli("check-config", str(bad_import))
+    assert result.returncode == 2
+    assert "module 'tests.datasets' has no attribute 'Nope'" in result.stderr
+
+
+def test_health_command() -> None:
+    proc, address = serve_process(*SQUARES_FLAGS)
+    try:
+        result = _cli("health", address)
+        assert (result.returncode, result.stdout.strip()) == (0, f"{address}: SERVING")
+    finally:
+        stop_process(proc)
+    result = _cli("health", address, "--timeout", "1")  # nobody listens there any more
+    assert result.returncode == 2
+    assert "no health answer" in result.stderr
