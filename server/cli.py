@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import select
 import subprocess
@@ -16,16 +17,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from remote_loader.protos import wire
+from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import (
     ConfigError,
     LoaderSpec,
     add_spec_arguments,
-    load_config,
+    read_config,
     spec_from_args,
 )
 
-DEFAULT_ADDRESS = "0.0.0.0:50051"
+DEFAULTS = ServerSettings()
 DEMO_DATASET = "remote_loader.server.datasets:ImageFolder"
 
 
@@ -53,30 +54,27 @@ def _parser() -> argparse.ArgumentParser:
         "by flags, or (with neither) the built-in demo image folder.",
     )
     serve.add_argument("--config", help="TOML file with [loaders.NAME] tables")
+    # Server settings: None means "not given", so the environment and [server] can set them.
     serve.add_argument(
         "--address",
-        default=DEFAULT_ADDRESS,
-        help="HOST:PORT to listen on; port 0 picks a free one (default %(default)s)",
+        help=f"HOST:PORT to listen on; port 0 picks a free one (default {DEFAULTS.address})",
     )
     serve.add_argument(
         "--chunk-size",
         type=int,
-        default=wire.DEFAULT_CHUNK_SIZE,
-        help="largest frame payload in bytes (default %(default)s)",
+        help=f"largest frame payload in bytes (default {DEFAULTS.chunk_size})",
     )
     serve.add_argument(
         "--max-streams",
         type=int,
-        default=32,
-        help="streams served at once; more are refused (default %(default)s)",
+        help=f"streams served at once; more are refused (default {DEFAULTS.max_streams})",
     )
     serve.add_argument(
         "--grace",
         type=float,
-        default=5.0,
-        help="on SIGTERM, seconds running streams get to finish (default %(default)s)",
+        help=f"on SIGTERM, seconds running streams get to finish (default {DEFAULTS.grace:g})",
     )
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", help=f"default {DEFAULTS.log_level}")
     add_spec_arguments(serve)
 
     check = sub.add_parser(
@@ -124,26 +122,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from remote_loader.server.service import serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        table = None
         if args.config:
             if args.dataset:
                 raise ConfigError("pass either --config or --dataset, not both")
-            specs = load_config(args.config)
+            specs, table = read_config(args.config)
         elif args.dataset:
             spec = spec_from_args(args)
             specs = {spec.name: spec}
         else:
             spec = demo_spec()
             specs = {spec.name: spec}
+        flags = {key: getattr(args, key) for key in vars(DEFAULTS)}
+        settings = resolve_settings(table, os.environ, flags)
+        logging.basicConfig(
+            level=settings.log_level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         return serve(
             specs,
-            args.address,
-            max_streams=args.max_streams,
-            chunk_size=args.chunk_size,
-            grace=args.grace,
+            settings.address,
+            max_streams=settings.max_streams,
+            chunk_size=settings.chunk_size,
+            grace=settings.grace,
         )
     except (ConfigError, OSError) as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
@@ -161,7 +163,9 @@ def _check_config(path: str) -> int:
 
     name: str | None = None  # the loader being built, for the error message
     try:
-        specs = load_config(path)
+        specs, table = read_config(path)
+        settings = resolve_settings(table, os.environ)
+        print(f"server: {settings.describe()}")
         # Workers are never started here, so the context is only stored.
         ctx = multiprocessing.get_context("forkserver")
         for name, spec in specs.items():

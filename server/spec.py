@@ -218,8 +218,8 @@ def spec_from_table(name: str, table: Mapping[str, Any]) -> LoaderSpec:
     return LoaderSpec(name=name, **values)
 
 
-def load_config(path: str | Path) -> dict[str, LoaderSpec]:
-    """Reads the `[loaders.NAME]` tables of a TOML config file."""
+def read_config(path: str | Path) -> tuple[dict[str, LoaderSpec], dict[str, Any] | None]:
+    """The `[loaders.NAME]` specs of a TOML config file, and its `[server]` table (if any)."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -234,12 +234,26 @@ def load_config(path: str | Path) -> dict[str, LoaderSpec]:
             f"config file {str(path)!r} defines no loader: add a [loaders.NAME] "
             'table with at least `dataset = "module:callable"`'
         )
+    unknown = sorted(set(doc) - {"loaders", "server"})
+    if unknown:
+        raise ConfigError(
+            f"config file {str(path)!r}: unknown table(s) {', '.join(unknown)}; "
+            "allowed: [server] and [loaders.NAME]"
+        )
+    server = doc.get("server")
+    if server is not None and not isinstance(server, dict):
+        raise ConfigError(f"config file {str(path)!r}: server must be a table")
     specs = {}
     for name, table in loaders.items():
         if not isinstance(table, dict):
             raise ConfigError(f"config file {str(path)!r}: loaders.{name} must be a table")
         specs[name] = spec_from_table(name, table)
-    return specs
+    return specs, server
+
+
+def load_config(path: str | Path) -> dict[str, LoaderSpec]:
+    """Reads the `[loaders.NAME]` tables of a TOML config file."""
+    return read_config(path)[0]
 
 
 # --- command-line flags for a single loader -------------------------------------------------
