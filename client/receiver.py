@@ -172,6 +172,7 @@ class Receiver(threading.Thread):
         self._lock = threading.Lock()  # guards _call against stop() from another thread
         self._stopped = threading.Event()
         self._call: Any = None
+        self._finished: Finished | None = None  # the current stream's end frame, once read
         self._copy_stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def stop(self) -> None:
@@ -260,9 +261,12 @@ class Receiver(threading.Thread):
 
     def _receive(self, frames: Iterator[bytes]) -> Item:
         """Reads one stream; raises _Broken when a new stream could take over from here."""
+        self._finished = None
         try:
             return self._read(frames)
         except grpc.RpcError as exc:
+            if self._finished is not None:
+                return self._finished  # the end frame arrived: what breaks after it is moot
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code in RETRYABLE and not self._stopped.is_set():
                 raise _Broken(map_rpc_error(exc, self._what)) from exc
@@ -290,7 +294,7 @@ class Receiver(threading.Thread):
                         )
                     # Keep reading until the call completes with its status, so closing the
                     # loader afterwards does not cancel a stream that has in fact succeeded.
-                    finished = Finished(expected)
+                    finished = self._finished = Finished(expected)
                     continue
                 if meta.batch != expected:
                     raise ProtocolError(

@@ -123,11 +123,16 @@ def train(rank: int, address: str, epochs: int, init_method: str) -> None:
             dataset_length = int(loader.info.dataset_length)
         shares: list[list[int] | None] = [None] * WORLD_SIZE
         dist.all_gather_object(shares, epoch0)
+        ok = True
         if rank == 0:
             gathered = [indices for indices in shares if indices is not None]
-            if len(gathered) != WORLD_SIZE or not check_shares(gathered, dataset_length):
-                # Not an exception: the parent reports the exit code, without a traceback.
-                sys.exit(1)
+            ok = len(gathered) == WORLD_SIZE and check_shares(gathered, dataset_length)
+        # Leave together: a rank that tears the gloo group down while its peer still uses it
+        # can abort the process ("terminate called without an active exception").
+        dist.barrier()
+        if not ok:
+            # Not an exception: the parent reports the exit code, without a traceback.
+            sys.exit(1)
     finally:
         dist.destroy_process_group()
 

@@ -12,13 +12,20 @@ import logging
 import multiprocessing.context
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from remote_loader.protos import codec
-from remote_loader.server.pool import Delivery, Outcome, WorkerPool
+from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
-from remote_loader.server.sharing import ClosingError, Consumer, Engine, Membership, Runs
+from remote_loader.server.sharing import (
+    ClosingError,
+    Consumer,
+    Engine,
+    LeaseAbandoned,
+    Membership,
+    Runs,
+)
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import Fetcher, RemoteError, build_dataset, seed_rngs
 
@@ -149,7 +156,7 @@ class LoaderHost:
         return pool
 
     @contextlib.contextmanager
-    def _lease(self, job: str) -> Iterator[Engine]:
+    def _lease(self, job: str, give_up: Callable[[], bool]) -> Iterator[Engine]:
         """The engine for one Run: in-process loading, the persistent pool, or a pool of its own.
 
         A persistent pool runs one epoch at a time (its workers' RNGs are per epoch). While a Run
@@ -160,7 +167,7 @@ class LoaderHost:
         if self.spec.num_workers == 0:
             yield InlineEngine(self.spec, self.dataset, self.batching)
             return
-        pool = self._take_persistent(job)
+        pool = self._take_persistent(job, give_up)
         if pool is None:
             pool = self._new_pool()
             try:
@@ -173,7 +180,7 @@ class LoaderHost:
         finally:
             self._give_back(pool)
 
-    def _take_persistent(self, job: str) -> WorkerPool | None:
+    def _take_persistent(self, job: str, give_up: Callable[[], bool]) -> WorkerPool | None:
         deadline = time.monotonic() + self.spec.detach_timeout
         with self._cond:
             while True:
@@ -187,7 +194,9 @@ class LoaderHost:
                 remaining = deadline - time.monotonic()
                 if self._persistent_job != job or remaining <= 0:
                     return None
-                self._cond.wait(remaining)
+                if give_up():
+                    raise LeaseAbandoned(job)
+                self._cond.wait(min(remaining, POLL_INTERVAL))
 
     def _give_back(self, pool: WorkerPool) -> None:
         with self._cond:

@@ -122,11 +122,6 @@ class EpochPlan:
     world_size: int
     lane: Callable[[int], Iterator[Any]]
 
-    @property
-    def tasks(self) -> Iterator[Any]:
-        """The whole epoch's tasks (world size 1)."""
-        return self.lane(0)
-
 
 def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> list[Any]:
     """Rank `rank`'s share of `items`, split exactly as DistributedSampler splits a dataset.

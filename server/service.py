@@ -307,9 +307,12 @@ class LoaderServer:
         cancelled."""
         self.health.enter_graceful_shutdown()
         self.service.draining = True
+        deadline = time.monotonic() + grace
         if not self.service.wait_streams(grace):
             log.warning("streams still running after %.1f s: cancelling them", grace)
-        self.grpc_server.stop(0).wait()
+        # A stream whose handler has returned still has its status to send: give calls the
+        # rest of the grace (up to a second when none is left) rather than cancel them at once.
+        self.grpc_server.stop(max(deadline - time.monotonic(), min(grace, 1.0))).wait()
 
 
 def create_server(

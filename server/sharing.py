@@ -68,6 +68,10 @@ MIN_LANE_WINDOW = 2
 # one), and two Runs of the same key only mean some batches were made twice.
 
 
+class LeaseAbandoned(Exception):
+    """The Run that waited for an engine closed meanwhile: it needs none any more."""
+
+
 class SharingError(ValueError):
     """A consumer asked for something the loader does not allow (INVALID_ARGUMENT)."""
 
@@ -302,7 +306,6 @@ class Consumer:
         self.run = run
         self.membership = membership
         self.lane = lane
-        self.sent = 0  # entries done with
         self.cursor = start  # broadcast: the lane position this consumer reads next
         self.moved_at = time.monotonic()
         self.closed = False
@@ -314,6 +317,7 @@ class Consumer:
         """The next entry to send, or None at the end of this consumer's epoch (or once
         `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
         run = self.run
+        peers_since: float | None = None  # dynamic: since when only peers' batches were left
         with run.cond:
             while True:
                 if run.fatal is not None:
@@ -336,16 +340,20 @@ class Consumer:
                         self._holding.append(entry)
                         return entry
                     # dynamic: not while another consumer still holds batches, which come back
-                    # here if it goes away before it has sent them.
-                    if lane.complete and lane.taken == 0:
-                        return None
+                    # here if it goes away before it has sent them; a peer that holds one
+                    # longer than detach_timeout does not keep this stream open.
+                    if lane.complete:
+                        now = time.monotonic()
+                        if peers_since is None:
+                            peers_since = now
+                        if lane.taken == 0 or now - peers_since >= run.spec.detach_timeout:
+                            return None
                 run.cond.wait(POLL_INTERVAL)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
         run = self.run
         with run.cond:
-            self.sent += 1
             self.moved_at = time.monotonic()
             if isinstance(self.lane, _BroadcastLane):
                 if entry.position == self.cursor:
@@ -379,7 +387,7 @@ class Run:
         key: RunKey,
         spec: LoaderSpec,
         plan: EpochPlan,
-        lease: Callable[[], AbstractContextManager[Engine]],
+        lease: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
         start: int = 0,
@@ -394,7 +402,6 @@ class Run:
         self.ranks_joined: set[int] = set()
         self.closing = False
         self.closed_by_server = False
-        self.failure: RemoteError | None = None
         self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
         self.started_at = time.monotonic()
         self._task_ids = itertools.count()
@@ -498,14 +505,16 @@ class Run:
                     entry.release()
                 lane.taken -= len(held)
 
-    def wait_closed(self, timeout: float | None = None) -> None:
-        """Waits until the Run's thread has given its engine back, then drops what is left."""
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Waits until the Run's thread has given its engine back, then drops what is left;
+        False if the thread is still running after `timeout`."""
         if self._thread.ident is not None:
             self._thread.join(timeout)
         with self.cond:
             if self.closing:
                 for lane in self.lanes:
                     lane.drop_all()
+        return not self._thread.is_alive()
 
     def start(self) -> None:
         self._thread.start()
@@ -515,7 +524,9 @@ class Run:
     def _produce(self) -> None:
         engine: Engine | None = None
         try:
-            with self._lease() as engine:
+            # The lease may wait for the job's persistent workers; it gives up once this Run
+            # closes, so the last consumer's detach (on gRPC's callback thread) is not held.
+            with self._lease(lambda: self.closing) as engine:
                 window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                 with self.cond:
                     for lane in self.lanes:
@@ -530,6 +541,8 @@ class Run:
                     raise
                 finally:
                     engine.end_epoch()
+        except LeaseAbandoned:
+            pass
         except WorkerInitError as exc:
             with self.cond:
                 self.fatal = exc.error
@@ -658,7 +671,6 @@ class Run:
     def _fail(self, error: RemoteError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
         with self.cond:
-            self.failure = error
             for lane in self.lanes:
                 lane.tasks_done = True
                 lane.outstanding = 0
@@ -675,17 +687,16 @@ class Runs:
         self,
         spec: LoaderSpec,
         plan: Callable[[int, int, int], EpochPlan],
-        lease: Callable[[str], AbstractContextManager[Engine]],
+        lease: Callable[[str, Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
     ) -> None:
         self.spec = spec
         self._iterable = iterable
         self._plan = plan  # (seed, epoch, world_size) -> EpochPlan
-        self._lease = lease  # job -> the engine for one Run
+        self._lease = lease  # (job, gave up?) -> the engine for one Run
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
-        self.runs_started = 0  # for tests and metrics: how many productions began
 
     def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
         """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
@@ -703,14 +714,13 @@ class Runs:
                     key,
                     self.spec,
                     self._plan(seed, epoch, plan_world),
-                    lambda: self._lease(membership.job),
+                    lambda give_up: self._lease(membership.job, give_up),
                     iterable=self._iterable,
                     start=start,
                 )
                 consumer = run.try_attach(membership, start)
                 assert consumer is not None
                 self._runs.setdefault(key, []).append(run)
-                self.runs_started += 1
                 run.start()
             consumer._on_close = self._detach
         return consumer

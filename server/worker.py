@@ -106,10 +106,10 @@ class WorkerConfig:
     # server has abandoned (a client that went away) instead of loading them.
     current_epoch: Any
     server_pid: int
-    incarnation: int = 0
+    incarnation: int
     # The task this worker is making (-1: none), written before each task: if the process dies,
     # the server knows which batch it died on (a Result may die unsent with it).
-    current_task: Any = None
+    current_task: Any
 
 
 # --- pieces shared with the in-process path ---------------------------------------------
@@ -284,11 +284,9 @@ def worker_loop(cfg: WorkerConfig) -> None:
             continue  # an abandoned epoch: the server no longer waits for this result
         if msg.seed is not None:
             seed_rngs(msg.seed, 0)
-        if cfg.current_task is not None:
-            cfg.current_task.value = msg.task_id
+        cfg.current_task.value = msg.task_id
         result = _run_task(cfg, msg, fetcher, slots, init_error, where)
-        if cfg.current_task is not None:
-            cfg.current_task.value = -1
+        cfg.current_task.value = -1
         try:
             cfg.results.send(result)
         except (BrokenPipeError, OSError):

@@ -593,3 +593,44 @@ def test_closing_the_loader_mid_epoch_is_an_error_not_an_end(serve_loaders: Serv
         with pytest.raises(ConnectionLostError, match="shutting down mid-epoch"):
             for _ in it:
                 pass
+
+
+def test_a_run_waiting_for_the_jobs_workers_ends_when_its_consumer_goes(
+    serve_loaders: ServeLoaders,
+) -> None:
+    spec = LoaderSpec(
+        name="blobs",
+        # 1 MB samples: gRPC's flow control, not its buffers, holds a rank that stops reading.
+        dataset="tests.datasets:Blobs",
+        dataset_kwargs={"n": 60, "nbytes": 1 << 20},
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+        detach_timeout=30.0,
+    )
+    served = serve_loaders(spec)
+    runs = served.hosts["blobs"].runs
+
+    def active(n: int) -> bool:
+        deadline = time.monotonic() + 5
+        while len(runs.active()) != n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    slow = RemoteLoader(served.address, rank=1, world_size=2, prefetch=1)
+    slow_it = iter(slow)
+    first = [int(next(slow_it)["index"][0])]  # epoch 0's Run holds the workers for rank 1
+    fast = RemoteLoader(served.address, rank=0, world_size=2)
+    assert len(list(fast)) == 30
+    ahead = iter(fast)  # epoch 1: its Run waits for the workers epoch 0 still holds
+    assert active(2)
+    (waiting,) = [run for run in runs.active() if run.key.epoch == 1]
+    fast.close()  # rank 0 goes away: its waiting Run ends now, not after detach_timeout
+    assert active(1)
+    assert waiting.wait_closed(timeout=5)
+    rest = [int(batch["index"][0]) for batch in slow_it]
+    assert first + rest == list(range(1, 60, 2))  # epoch 0 goes on for rank 1
+    slow.close()
+    del ahead
