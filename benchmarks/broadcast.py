@@ -35,7 +35,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,13 +50,15 @@ import torch
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import DEMO_DATASET, spawn_serve
+from remote_loader.server.cli import DEMO_DATASET
 
+# benchmarks/ is not a package on any default path; the server's workers import the workloads
+# as benchmarks.workloads (see benchmarks/processes.py).
 ROOT = Path(__file__).resolve().parents[1]
-# The workloads are imported by path ("benchmarks.workloads:Heavy") in the server's workers;
-# benchmarks/ is not a package on any default path.
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import processes  # noqa: E402
 
 WORKLOADS = {
     "heavy": "benchmarks.workloads:Heavy",
@@ -74,12 +75,6 @@ REPLY_TIMEOUT = 900.0
 # the consumers' own CPU (which shares the machine with the server) stays small.
 HASH_WHOLE_BYTES = 1 << 20
 HASH_EDGE_BYTES = 64 * 1024
-
-
-def subprocess_env() -> dict[str, str]:
-    """This environment with the repository root first on PYTHONPATH."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 # --- measuring the server ----------------------------------------------------------------------
@@ -305,20 +300,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         flags.append("--persistent-workers")
     if args.broadcast_window is not None:
         flags += ["--broadcast-window", str(args.broadcast_window)]
-    # stderr is inherited: server warnings and errors show up beside the table.
-    proc, port = spawn_serve(flags, env=subprocess_env())
-    return proc, f"127.0.0.1:{port}"
-
-
-def stop_process(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, then wait (closing its pipes); SIGKILL if it does not go in 30 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    return processes.start_server(flags)
 
 
 # --- rounds ------------------------------------------------------------------------------------
@@ -410,7 +392,7 @@ def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
     finally:
         if consumers is not None:
             consumers.close()
-        stop_process(server)
+        processes.stop_process(server)
     return rounds, warm_cpu, warm_wall
 
 

@@ -56,15 +56,24 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import DEMO_DATASET, spawn_serve
+from remote_loader.server.cli import DEMO_DATASET
 from remote_loader.server.datasets import DEMO_CLASSES, DEMO_PER_CLASS, demo_folder
 from remote_loader.server.spec import resolve
 
-ROOT = Path(__file__).resolve().parents[1]
-# The workloads are imported by path ("benchmarks.workloads:Images") here, in the local
+# The workloads (and benchmarks.processes) are imported as benchmarks.* here, in the local
 # DataLoader's workers and in the server's; benchmarks/ is not a package on any default path.
+ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.processes import (  # noqa: E402
+    process_rss,
+    start_server,
+    stop_process,
+    subprocess_env,
+    tree_cpu,
+    tree_pids,
+)
 
 WORKLOADS = {
     "images": "benchmarks.workloads:Images",
@@ -78,8 +87,6 @@ RAW_MESSAGE_BYTES = 4 * 1024 * 1024
 RAW_METHOD = "/bench.Raw/Stream"
 # Seconds a server process may take to print its port (it imports torch and starts workers).
 STARTUP_TIMEOUT = 120.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 GB = 1e9
 MB = 1e6
 # Seconds between two RSS samples, and between two listings of the processes a side's loader
@@ -88,71 +95,7 @@ RSS_INTERVAL = 0.025
 RSS_RELIST = 0.5
 
 
-def subprocess_env() -> dict[str, str]:
-    """This environment with the repository root first on PYTHONPATH."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-
-
 # --- measuring -------------------------------------------------------------------------------
-
-
-def _process_table() -> dict[int, tuple[int, float]]:
-    """pid -> (ppid, utime + stime in seconds) of every process in /proc."""
-    table: dict[int, tuple[int, float]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue  # exited while we looked
-        # The command name (field 2) may hold spaces and parentheses: split after its last ")".
-        fields = text[text.rindex(")") + 2 :].split()
-        ppid, utime, stime = int(fields[1]), int(fields[11]), int(fields[12])
-        table[int(entry.name)] = (ppid, (utime + stime) / CLOCK_TICKS)
-    return table
-
-
-def tree_pids(
-    root: int,
-    *,
-    include_root: bool = True,
-    exclude: Iterable[int] = (),
-    table: dict[int, tuple[int, float]] | None = None,
-) -> list[int]:
-    """`root` and its live descendants, skipping the subtrees of `exclude`."""
-    if table is None:
-        table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    skip = set(exclude)
-    pids = [root] if include_root and root in table else []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in skip:
-                pids.append(child)
-                todo.append(child)
-    return pids
-
-
-def tree_cpu(root: int, *, include_root: bool = True, exclude: Iterable[int] = ()) -> float:
-    """CPU seconds of `root` and its live descendants, skipping the subtrees of `exclude`."""
-    table = _process_table()
-    pids = tree_pids(root, include_root=include_root, exclude=exclude, table=table)
-    return sum(table[pid][1] for pid in pids)
-
-
-def process_rss(pid: int) -> int:
-    """Resident bytes of process `pid` (/proc/PID/statm, as psutil reads it); 0 once it exited."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class PeakRss:
@@ -336,20 +279,7 @@ def start_loader_server(
         str(workers),
         "--persistent-workers",
     ]
-    # stderr is inherited: server warnings and errors show up beside the table.
-    proc, port = spawn_serve(flags, env=subprocess_env())
-    return proc, f"127.0.0.1:{port}"
-
-
-def stop_process(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, then wait (closing its pipes); SIGKILL if it does not go in 30 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    return start_server(flags)
 
 
 # --- local vs remote -------------------------------------------------------------------------

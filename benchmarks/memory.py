@@ -15,47 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import spawn_serve
 
-# The server's workers import the workload as benchmarks.workloads: the repository root goes
-# on their PYTHONPATH.
+# benchmarks/ is not a package on any default path; the server's workers import the workload
+# as benchmarks.workloads (see benchmarks/processes.py).
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.processes import process_rss, start_server, stop_process, tree_pids  # noqa: E402
 
 TARGET = 1.05
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss(pid: int) -> int:
-    """Resident bytes of one process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except OSError:
-        return 0
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and every process below it, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [pid], {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier}
-        found.extend(frontier)
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         str(args.workers),
         "--persistent-workers",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server, port = spawn_serve(flags, env=env)
+    server, address = start_server(flags)
     after: list[tuple[int, int]] = []  # per epoch: (server process, whole tree) RSS
     try:
-        with RemoteLoader(f"127.0.0.1:{port}", device="cpu") as loader:
+        with RemoteLoader(address, device="cpu") as loader:
             for epoch in range(args.epochs):
                 batches = sum(1 for _ in loader)
                 if batches != args.batches:
                     raise RuntimeError(f"epoch {epoch}: {batches} batches, not {args.batches}")
-                after.append((rss(server.pid), sum(rss(p) for p in tree(server.pid))))
+                tree = tree_pids(server.pid)
+                after.append((process_rss(server.pid), sum(process_rss(p) for p in tree)))
                 print(
                     f"epoch {epoch + 1:>3}: server {after[-1][0] / 1e6:8.1f} MB, "
                     f"tree {after[-1][1] / 1e6:8.1f} MB",
@@ -97,12 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate()
+        stop_process(server)
     (first_main, first_tree), (last_main, last_tree) = after[0], after[-1]
     ratio = last_main / first_main
     print(
