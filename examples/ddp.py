@@ -15,6 +15,7 @@ received in epoch 0 and checks that the shares are disjoint and together cover t
 from __future__ import annotations
 
 import argparse
+import gc
 import socket
 import subprocess
 import sys
@@ -90,51 +91,58 @@ def train(rank: int, address: str, epochs: int, init_method: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, init_method=init_method)
     try:
-        # Seeded apart on purpose: DDP broadcasts rank 0's parameters when it wraps the model, so
-        # the replicas start equal all the same.
-        torch.manual_seed(rank)
-        model = DistributedDataParallel(
-            nn.Sequential(
-                nn.AdaptiveAvgPool2d(POOLED), nn.Flatten(), nn.Linear(3 * POOLED * POOLED, CLASSES)
-            )
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        epoch0: list[int] = []
-        # device="cpu": the model lives on the CPU (gloo), even where CUDA exists.
-        with RemoteLoader(address, device="cpu") as loader:
-            for epoch in range(epochs):
-                loader.set_epoch(epoch)  # where DistributedSampler.set_epoch would go
-                batches, total_loss = 0, 0.0
-                for images, labels, indices in loader:
-                    loss = nn.functional.cross_entropy(model(images.float() / 255), labels)
-                    optimizer.zero_grad()
-                    loss.backward()  # the all-reduce of the gradients happens here
-                    optimizer.step()
-                    batches += 1
-                    total_loss += loss.item()
-                    if epoch == 0:
-                        epoch0.extend(indices.tolist())
-                if batches != len(loader):
-                    raise RuntimeError(f"rank {rank}: {batches} batches, len() said {len(loader)}")
-                say(
-                    f"rank {rank} epoch {epoch}: {batches} batches "
-                    f"(len(loader) {len(loader)}), loss {total_loss / max(batches, 1):.3f}"
-                )
-            dataset_length = int(loader.info.dataset_length)
+        # The model lives in fit() only: DDP's reducer holds gloo work objects, which must be
+        # freed before the process group is destroyed, not during interpreter shutdown (where
+        # that aborts: "terminate called without an active exception", pytorch/pytorch#179291).
+        epoch0, dataset_length = fit(rank, address, epochs)
+        gc.collect()  # DDP sits in reference cycles: free it now, while the group is alive
         shares: list[list[int] | None] = [None] * WORLD_SIZE
         dist.all_gather_object(shares, epoch0)
         ok = True
         if rank == 0:
             gathered = [indices for indices in shares if indices is not None]
             ok = len(gathered) == WORLD_SIZE and check_shares(gathered, dataset_length)
-        # Leave together: a rank that tears the gloo group down while its peer still uses it
-        # can abort the process ("terminate called without an active exception").
-        dist.barrier()
+        dist.barrier()  # leave together: neither tears the group down under the other
         if not ok:
             # Not an exception: the parent reports the exit code, without a traceback.
             sys.exit(1)
     finally:
         dist.destroy_process_group()
+
+
+def fit(rank: int, address: str, epochs: int) -> tuple[list[int], int]:
+    """Trains a DDP model; returns the sample indices of epoch 0 and the dataset's length."""
+    # Seeded apart on purpose: DDP broadcasts rank 0's parameters when it wraps the model, so
+    # the replicas start equal all the same.
+    torch.manual_seed(rank)
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.AdaptiveAvgPool2d(POOLED), nn.Flatten(), nn.Linear(3 * POOLED * POOLED, CLASSES)
+        )
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    epoch0: list[int] = []
+    # device="cpu": the model lives on the CPU (gloo), even where CUDA exists.
+    with RemoteLoader(address, device="cpu") as loader:
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)  # where DistributedSampler.set_epoch would go
+            batches, total_loss = 0, 0.0
+            for images, labels, indices in loader:
+                loss = nn.functional.cross_entropy(model(images.float() / 255), labels)
+                optimizer.zero_grad()
+                loss.backward()  # the all-reduce of the gradients happens here
+                optimizer.step()
+                batches += 1
+                total_loss += loss.item()
+                if epoch == 0:
+                    epoch0.extend(indices.tolist())
+            if batches != len(loader):
+                raise RuntimeError(f"rank {rank}: {batches} batches, len() said {len(loader)}")
+            say(
+                f"rank {rank} epoch {epoch}: {batches} batches "
+                f"(len(loader) {len(loader)}), loss {total_loss / max(batches, 1):.3f}"
+            )
+        return epoch0, int(loader.info.dataset_length)
 
 
 def main() -> int:
