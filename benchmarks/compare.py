@@ -4,18 +4,20 @@ For each workload (`images`: transport-bound, batches of about 9.6 MB from a nea
 `__getitem__`; `heavy`: compute-bound, a few ms of convolutions per sample; both in
 benchmarks/workloads.py; `demo`: the built-in image folder of remote_loader.server.datasets, 512
 JPEGs decoded, randomly cropped and flipped, with `return_index`) the same dataset, batch size
-and worker count run both ways: a local `DataLoader` (forkserver, persistent workers) and a
-`RemoteLoader` against `remote-loader serve` started as a separate process. Neither side
-shuffles. `images` and `heavy` hold `--batches` batches; `demo` always reads its whole folder
-(512 / batch size batches, the last one maybe short). Timed rounds alternate local/remote after
-one untimed warm-up epoch each; the table shows medians over rounds (batches/s, GB/s of tensor
-bytes, time to the first batch of an epoch), the ratio remote/local (median over rounds of each
+and worker count run three ways: a local `DataLoader` (forkserver, persistent workers), and a
+`RemoteLoader` against `remote-loader serve` started as a separate process, once over gRPC
+(`transport="grpc"`: what a trainer on another host gets) and once through the same-host shared-
+memory ring (`transport="auto"`, which picks it on one machine). Neither side shuffles. `images`
+and `heavy` hold `--batches` batches; `demo` always reads its whole folder (512 / batch size
+batches, the last one maybe short). Timed rounds alternate local/remote after one untimed warm-
+up epoch each; the table shows medians over rounds (batches/s, GB/s of tensor bytes, time to the
+first batch of an epoch), the ratios remote/local for each transport (median over rounds of each
 round's ratio), CPU seconds per epoch and peak RSS over the timed epochs, of the client (this
-process, for both sides) and of the server (local: the DataLoader's fork server and workers,
-i.e. this process's descendants but the loader server's tree; remote: the server process tree,
-i.e. the server, its fork server and its workers). A background thread samples RSS every
-25 ms (/proc/PID/statm); its own CPU is left out of the client's. RSS is summed over processes,
-so memory shared between them (the fork server's pages its workers still share, shared-memory
+process, for all sides) and of the server (local: the DataLoader's fork server and workers, i.e.
+this process's descendants but the loader server's tree; remote: the server process tree, i.e.
+the server, its fork server and its workers). A background thread samples RSS every 25 ms
+(/proc/PID/statm); its own CPU is left out of the client's. RSS is summed over processes, so
+memory shared between them (the fork server's pages its workers still share, shared-memory
 tensors) is counted once in each process that maps it; the client's RSS also keeps what the
 other side's epochs left allocated in this process. A raw grpcio stream of 4 MiB `bytes`
 messages on loopback, measured in the same run, is the transport ceiling. Every number is
@@ -230,6 +232,12 @@ class Side:
         self.loader_rss = max(self.loader_rss, rss.server)
 
 
+# The loaders each workload runs, in each round's order: label -> RemoteLoader transport
+# (None: torch's DataLoader in this process).
+LOADERS: dict[str, str | None] = {"local": None, "grpc": "grpc", "shm": "auto"}
+REMOTE = [label for label, transport in LOADERS.items() if transport is not None]
+
+
 def ratios(local: Side, remote: Side) -> list[float]:
     """Remote batches/s over local batches/s, round by round."""
     return [
@@ -299,8 +307,8 @@ def batches_per_epoch(name: str, args: argparse.Namespace) -> int:
     return -(-samples // batch_size)
 
 
-def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> tuple[Side, Side]:
-    """Warm-up, then `args.rounds` alternating local/remote epochs of workload `name`."""
+def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> dict[str, Side]:
+    """Warm-up, then `args.rounds` alternating local/grpc/shm epochs of workload `name`."""
     path = WORKLOADS[name]
     kwargs = dataset_kwargs(name, args)
     bar.set_description(f"{name}: starting the server")
@@ -312,7 +320,7 @@ def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> tuple[Side, 
         multiprocessing_context="forkserver",
     )
     server, address = start_loader_server(path, kwargs, args.batch_size, args.workers)
-    local, remote = Side(), Side()
+    sides = {label: Side() for label in LOADERS}
 
     # Local: this process's descendants but the server's tree: the fork server and its workers.
     def workers() -> list[int]:
@@ -331,27 +339,37 @@ def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> tuple[Side, 
     def epoch(what: str) -> None:
         bar.set_description(f"{name}: {what}")
 
+    remote_loaders = {
+        label: RemoteLoader(address, device="cpu", transport=transport)
+        for label, transport in LOADERS.items()
+        if transport is not None
+    }
+    loaders: dict[str, Iterable[Any]] = {"local": local_loader, **remote_loaders}
     try:
-        with RemoteLoader(address, device="cpu") as remote_loader:
-            epoch("warm-up, local")
-            run_epoch(local_loader)  # starts the fork server and the persistent workers
+        for label, loader in loaders.items():
+            epoch(f"warm-up, {label}")
+            run_epoch(loader)  # local: starts the fork server and the persistent workers
             bar.update()
-            epoch("warm-up, remote")
-            run_epoch(remote_loader)
-            bar.update()
-            for r in range(1, args.rounds + 1):
-                epoch(f"round {r}/{args.rounds}, local")
-                local.timed_epoch(local_loader, workers_cpu, workers)
-                bar.update()
-                epoch(f"round {r}/{args.rounds}, remote")
-                remote.timed_epoch(remote_loader, served_cpu, served)
+            if label != "local" and remote_loaders[label].last_transport != label:
+                raise RuntimeError(
+                    f"the {label} loader's batches came over {remote_loaders[label].last_transport}"
+                )
+        for r in range(1, args.rounds + 1):
+            for label, loader in loaders.items():
+                epoch(f"round {r}/{args.rounds}, {label}")
+                if label == "local":
+                    sides[label].timed_epoch(loader, workers_cpu, workers)
+                else:
+                    sides[label].timed_epoch(loader, served_cpu, served)
                 bar.update()
     finally:
+        for remote_loader in remote_loaders.values():
+            remote_loader.close()
         stop_process(server)
         # The last reference: its iterator's finalizer shuts the persistent workers down.
-        del local_loader
+        del local_loader, loaders
         gc.collect()
-    return local, remote
+    return sides
 
 
 # --- the raw grpcio ceiling ------------------------------------------------------------------
@@ -415,8 +433,8 @@ def raw_ceiling(args: argparse.Namespace, bar: tqdm[Any]) -> list[float]:
 # --- the chart ---------------------------------------------------------------------------------
 
 
-def plot(results: dict[str, tuple[Side, Side]], raw: list[float], path: str, title: str) -> None:
-    """Draws the ratios remote/local, batches/s and GB/s of both sides into the image `path`."""
+def plot(results: dict[str, dict[str, Side]], raw: list[float], path: str, title: str) -> None:
+    """Draws the ratios remote/local, batches/s and GB/s of every loader into the image `path`."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -424,32 +442,36 @@ def plot(results: dict[str, tuple[Side, Side]], raw: list[float], path: str, tit
 
     names = list(results)
     xs = list(range(len(names)))
-    colors = {"local": "tab:blue", "remote": "tab:orange"}
+    colors = {"local": "tab:blue", "grpc": "tab:orange", "shm": "tab:green"}
     fig, (ax_ratio, ax_rate, ax_gb) = plt.subplots(1, 3, figsize=(16, 5.2))
 
-    # The median as a bar, each round's ratio as a dot.
-    every = {name: ratios(*results[name]) for name in names}
-    medians = [statistics.median(every[name]) for name in names]
-    bars = ax_ratio.bar(xs, medians, width=0.55, color="tab:green", alpha=0.8, label="median")
-    ax_ratio.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3)
-    ax_ratio.plot(
-        [x for x, name in zip(xs, names, strict=True) for _ in every[name]],
-        [r for name in names for r in every[name]],
-        "k.",
-        alpha=0.6,
-        label="each round",
-    )
+    # The median as a bar per transport, each round's ratio as a dot.
+    every_ratio: list[float] = []
+    for offset, label in zip((-0.2, 0.2), REMOTE, strict=True):
+        every = {name: ratios(results[name]["local"], results[name][label]) for name in names}
+        medians = [statistics.median(every[name]) for name in names]
+        bars = ax_ratio.bar(
+            [x + offset for x in xs], medians, width=0.4, color=colors[label], label=label
+        )
+        ax_ratio.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3, fontsize=8)
+        ax_ratio.plot(
+            [x + offset for x, name in zip(xs, names, strict=True) for _ in every[name]],
+            [r for name in names for r in every[name]],
+            "k.",
+            alpha=0.6,
+        )
+        every_ratio += [r for rs in every.values() for r in rs]
     ax_ratio.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
-    ax_ratio.set_ylim(0, max(1.0, *(r for rs in every.values() for r in rs)) * 1.35)
-    ax_ratio.set_title("remote / local throughput (batches/s)")
+    ax_ratio.set_ylim(0, max(1.0, *every_ratio) * 1.35)
+    ax_ratio.set_title("remote / local throughput (batches/s; dots: rounds)")
     ax_ratio.legend(loc="upper left", ncols=3)
 
     def grouped(ax: Any, value: Callable[[Epoch], float], fmt: str) -> list[float]:
         values = []
-        for offset, label, index in ((-0.2, "local", 0), (0.2, "remote", 1)):
-            medians = [results[name][index].median(value) for name in names]
+        for offset, label in zip((-0.27, 0.0, 0.27), LOADERS, strict=True):
+            medians = [results[name][label].median(value) for name in names]
             bars = ax.bar(
-                [x + offset for x in xs], medians, width=0.4, color=colors[label], label=label
+                [x + offset for x in xs], medians, width=0.27, color=colors[label], label=label
             )
             ax.bar_label(bars, labels=[format(v, fmt) for v in medians], padding=2, fontsize=8)
             values += medians
@@ -458,7 +480,7 @@ def plot(results: dict[str, tuple[Side, Side]], raw: list[float], path: str, tit
     rates = grouped(ax_rate, lambda e: e.batches_per_s, ".1f")
     ax_rate.set_ylim(0, max(rates) * 1.3)  # room for the labels and the legend
     ax_rate.set_title("batches/s (median)")
-    ax_rate.legend(loc="upper left", ncols=2)
+    ax_rate.legend(loc="upper left", ncols=3)
 
     gb_rates = grouped(ax_gb, lambda e: e.gb_per_s, ".2g")
     ceiling = statistics.median(raw)
@@ -488,14 +510,14 @@ def plot(results: dict[str, tuple[Side, Side]], raw: list[float], path: str, tit
 # --- main ------------------------------------------------------------------------------------
 
 
-def _table(results: dict[str, tuple[Side, Side]], raw: list[float], rounds: int) -> str:
+def _table(results: dict[str, dict[str, Side]], raw: list[float], rounds: int) -> str:
     header = (
         f"{'workload':<9} {'loader':<7} {'batches/s':>10} {'GB/s':>9} {'1st batch ms':>13} "
         f"{'client CPU s':>13} {'server CPU s':>13} {'client RSS MB':>14} {'server RSS MB':>14}"
     )
     lines = [header, "-" * len(header)]
-    for name, (local, remote) in results.items():
-        for label, side in (("local", local), ("remote", remote)):
+    for name, sides in results.items():
+        for label, side in sides.items():
             rate = side.median(lambda e: e.batches_per_s)
             gb_rate = side.median(lambda e: e.gb_per_s)
             first_ms = side.median(lambda e: e.first_batch) * 1e3
@@ -504,13 +526,16 @@ def _table(results: dict[str, tuple[Side, Side]], raw: list[float], rounds: int)
                 f"{side.main_cpu / rounds:>13.2f} {side.loader_cpu / rounds:>13.2f} "
                 f"{side.main_rss / MB:>14.0f} {side.loader_rss / MB:>14.0f}"
             )
-        ratio = statistics.median(ratios(local, remote))
-        lines.append(f"{name:<9} {'remote/local throughput':<35} {ratio:.2f}x")
+        for label in REMOTE:
+            ratio = statistics.median(ratios(sides["local"], sides[label]))
+            lines.append(f"{name:<9} {label + '/local throughput':<35} {ratio:.2f}x")
     lines += [
         f"raw grpcio ceiling ({RAW_MESSAGE_BYTES >> 20} MiB bytes messages, loopback): "
         f"{statistics.median(raw):.3f} GB/s",
         "",
-        "client: this process, which reads the batches (both sides). server: local, the "
+        "local: torch's DataLoader in this process. grpc, shm: RemoteLoader over gRPC, and "
+        "through the shared-memory ring.",
+        "client: this process, which reads the batches (all sides). server: local, the "
         "DataLoader's fork server and",
         "workers; remote, the server process, its fork server and its workers. CPU s: per "
         "epoch. RSS MB: the peak over",
@@ -589,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "demo" in names:
         demo_folder()  # generated once into the cache, before either side reads it
-    epochs = (len(names) * 2 + 1) * (args.rounds + 1)  # warm-ups and rounds, raw ceiling too
+    # Warm-ups and rounds of every loader of every workload, and of the raw ceiling.
+    epochs = (len(names) * len(LOADERS) + 1) * (args.rounds + 1)
     with tqdm(total=epochs, unit="epoch", file=sys.stderr, leave=False) as bar:
         results = {name: compare(name, args, bar) for name in names}
         raw = raw_ceiling(args, bar)

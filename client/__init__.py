@@ -1,6 +1,7 @@
 """The remote-loader client: `RemoteLoader`, a drop-in for torch's DataLoader, and its errors."""
 
 from remote_loader.client.errors import (
+    AuthenticationError,
     ConnectionLostError,
     DatasetError,
     LoaderNotFoundError,
@@ -10,12 +11,16 @@ from remote_loader.client.errors import (
     RequestError,
     ServerError,
 )
-from remote_loader.client.loader import RemoteLoader
+from remote_loader.client.loader import LoaderStats, RemoteLoader
+from remote_loader.client.security import TLS
 
 __all__ = [
+    "TLS",
+    "AuthenticationError",
     "ConnectionLostError",
     "DatasetError",
     "LoaderNotFoundError",
+    "LoaderStats",
     "LoaderTimeoutError",
     "ProtocolError",
     "RemoteLoader",

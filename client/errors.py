@@ -3,6 +3,8 @@
 RemoteLoaderError
 ├── LoaderNotFoundError    the server has no such loader, or several and none was named
 ├── RequestError           the server refused a request's values (INVALID_ARGUMENT, ...)
+├── AuthenticationError    the server refused this client's token (UNAUTHENTICATED,
+│                          PERMISSION_DENIED)
 ├── DatasetError           a batch failed on the server; carries the remote traceback
 ├── ConnectionLostError    the server cannot be reached, or the stream broke (UNAVAILABLE,
 │                          ABORTED: a broadcast consumer detached for holding the others)
@@ -26,6 +28,13 @@ class LoaderNotFoundError(RemoteLoaderError):
 
 class RequestError(RemoteLoaderError):
     """The server refused the request's values (an epoch, seed or option it cannot serve)."""
+
+
+class AuthenticationError(RemoteLoaderError):
+    """The server refused this client's credentials: no token, or not the server's token.
+
+    Pass the server's token as RemoteLoader(token=...) or in REMOTE_LOADER_TOKEN.
+    """
 
 
 class DatasetError(RemoteLoaderError):
@@ -71,6 +80,8 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     message = f"{what}: {details}"
     if code == grpc.StatusCode.NOT_FOUND:
         return LoaderNotFoundError(message)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return AuthenticationError(message)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.FAILED_PRECONDITION,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import time
@@ -29,6 +30,7 @@ from remote_loader.client.receiver import (
     Ready,
     Receiver,
 )
+from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 
@@ -36,6 +38,7 @@ DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 5
 SHARING_MODES = ("partition", "broadcast", "dynamic")
+TRANSPORTS = ("auto", "grpc")
 STATE_VERSION = 1
 _STATE_KEYS = {
     "version": int,
@@ -75,9 +78,16 @@ class RemoteLoader:
         timeout: seconds to wait for one batch before LoaderTimeoutError; None waits as long as
             the stream is alive.
         connect_timeout: seconds to wait for the server when connecting (and reconnecting).
+        token: the server's token, sent on every call as `authorization: Bearer <token>`;
+            None takes the REMOTE_LOADER_TOKEN environment variable, "" sends none.
+        tls: None or False: plaintext; True: TLS, trusting the system's CAs; a `TLS(ca=...,
+            cert=..., key=..., server_name=...)` for a private CA or mutual TLS.
         retries: how many times in a row a broken stream is resumed without a batch arriving
             before the error reaches the training loop (0: never resume).
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
+        transport: "auto" moves batches through shared memory when the server shares this
+            host's /dev/shm (the same machine, or containers sharing IPC), and over gRPC
+            otherwise; "grpc" always streams them over gRPC. See `last_transport`.
 
     Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
     """
@@ -99,6 +109,9 @@ class RemoteLoader:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
+        transport: str = "auto",
+        token: str | None = None,
+        tls: bool | TLS | None = None,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
@@ -110,6 +123,8 @@ class RemoteLoader:
             raise ValueError(f"backoff must be non-negative seconds, got {backoff!r}")
         if seed is not None and not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if sharing not in SHARING_MODES:
             raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
         if job is not None and not isinstance(job, str):
@@ -126,12 +141,16 @@ class RemoteLoader:
         self.connect_timeout = connect_timeout
         self.retries = retries
         self.backoff = backoff
+        self.transport = transport
         self._epoch = 0
         self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
         self._iterator: _EpochIterator | None = None
         self._closed = False
-        self._channel = grpc.insecure_channel(
+        self.tls = resolve_tls(tls)
+        self._channel = open_channel(
             address,
+            tls=self.tls,
+            token=resolve_token(token),
             options=[
                 ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
                 # Reconnect soon after a server restart, rather than after grpc's default backoff
@@ -192,7 +211,13 @@ class RemoteLoader:
             if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ConnectionLostError(
                     f"{what}: no answer from {self.address} within {deadline:g} s; "
-                    "is the server running and the address right?"
+                    "is the server running and the address right? "
+                    + (
+                        "(this client speaks TLS: does the server, with this CA, and does it "
+                        "want a client certificate?)"
+                        if self.tls is not None
+                        else "(this client speaks plaintext: a TLS server needs tls=...)"
+                    )
                 ) from exc
             raise map_rpc_error(exc, f"{what} at {self.address}") from exc
 
@@ -218,6 +243,11 @@ class RemoteLoader:
     def epoch(self) -> int:
         """The epoch the next `iter()` streams."""
         return self._epoch
+
+    @property
+    def last_transport(self) -> str | None:
+        """How the latest batch arrived: "shm" (shared memory), "grpc", or None before any."""
+        return self._iterator._receiver.transport if self._iterator is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next `iter()` stream this epoch (later ones follow from it)."""
@@ -325,6 +355,14 @@ class RemoteLoader:
         self._epoch = state["epoch"]
         self._start = state["batches"]
 
+    # --- statistics ----------------------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        """The latest epoch's figures (see LoaderStats); zeros before the first `next()`."""
+        if self._iterator is None:
+            return LoaderStats(epoch=self._epoch)
+        return self._iterator.stats()
+
     # --- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -356,6 +394,26 @@ class RemoteLoader:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LoaderStats:
+    """How an epoch went for the training loop (`RemoteLoader.stats()`).
+
+    `wait_fraction` is the share of the wall time since the epoch's first `next()` that the
+    loop spent blocked in `next()`: near 1, loading is the bottleneck (more server workers, a
+    faster dataset); near 0, the training step is, and the loader keeps up.
+    """
+
+    epoch: int
+    batches: int = 0  # batches received by the training loop (errors at a position not counted)
+    # Their encoded bytes (header and tensor data): the server counts the same bytes in
+    # remote_loader_bytes_served_total.
+    bytes: int = 0
+    wait_seconds: float = 0.0  # blocked in next()
+    elapsed_seconds: float = 0.0  # since the epoch's first next(); up to its end once it ended
+    wait_fraction: float = 0.0  # wait_seconds / elapsed_seconds, in [0, 1]
+    reconnects: int = 0  # broken streams resumed (see `retries`)
+
+
 class _EpochIterator(Iterator[Any]):
     """One epoch's stream: a receiver thread and the bounded queue it fills."""
 
@@ -367,10 +425,12 @@ class _EpochIterator(Iterator[Any]):
         self.finished = False  # the epoch's end was reached (StopIteration)
         what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
 
-        def open_stream(first: int) -> Any:
+        def open_stream(first: int, offer: pb.ShmOffer | None) -> Any:
             again = pb.StreamRequest()
             again.CopyFrom(request)
             again.start = first
+            if offer is not None:
+                again.shm.CopyFrom(offer)
             return owner._stream(again, wait_for_ready=True)
 
         self._receiver = Receiver(
@@ -384,9 +444,17 @@ class _EpochIterator(Iterator[Any]):
             backoff=owner.backoff,
             wait_ready=owner._wait_ready,
             connect_timeout=owner.connect_timeout,
+            use_shm=owner.transport == "auto",
         )
         self._receiver.start()
         self.batches = start  # the epoch's position: batches yielded, including skipped ones
+        # For stats(): when the loop first asked, how long it has been blocked in next(), what
+        # it received, and when the epoch ended (None while it runs).
+        self._first_next: float | None = None
+        self._waited = 0.0
+        self._received = 0
+        self._received_bytes = 0
+        self._ended_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -394,7 +462,7 @@ class _EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        item = self._get()
+        item = self._timed_get()
         if isinstance(item, Finished):
             self._done = self.finished = True
             self._receiver.join()
@@ -406,6 +474,36 @@ class _EpochIterator(Iterator[Any]):
             raise item.error
         self.batches += 1
         return _on_device(item)
+
+    def _timed_get(self) -> Item:
+        """`_get`, counting the time the training loop is blocked in it (for stats())."""
+        entered = time.monotonic()
+        if self._first_next is None:
+            self._first_next = entered
+        try:
+            item = self._get()
+        finally:
+            self._waited += time.monotonic() - entered
+        if isinstance(item, Ready):
+            self._received += 1
+            self._received_bytes += item.nbytes
+        elif isinstance(item, Finished) or item.final:
+            self._ended_at = time.monotonic()
+        return item
+
+    def stats(self) -> LoaderStats:
+        if self._first_next is None:
+            return LoaderStats(epoch=self.epoch, reconnects=self._receiver.reconnects)
+        elapsed = (self._ended_at or time.monotonic()) - self._first_next
+        return LoaderStats(
+            epoch=self.epoch,
+            batches=self._received,
+            bytes=self._received_bytes,
+            wait_seconds=self._waited,
+            elapsed_seconds=elapsed,
+            wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
+            reconnects=self._receiver.reconnects,
+        )
 
     def _get(self) -> Item:
         """The next item, waiting at most the loader's timeout, never on a dead receiver."""

@@ -1,7 +1,9 @@
 """The receiver stage: a thread that turns one epoch's Frames into ready batches.
 
-It copies each batch once, from the gRPC message into (pinned) host memory, starts the copy to
-the device on a side CUDA stream, and queues the batch for `RemoteLoader.__next__`. When the
+It copies each batch once, from the gRPC messages (or, on the same host, from the stream's
+shared-memory ring: NOTE [ Shared-memory transport ] in remote_loader.protos.shm) into (pinned)
+host memory, starts the copy to the device on a side CUDA stream, and queues the batch for
+`RemoteLoader.__next__`. When the
 stream breaks (connection reset, server restart, UNAVAILABLE) it opens a new one from the next
 batch it has not received, with bounded retries and backoff: batches are neither lost nor
 repeated, and the training loop sees an error only when the retries run out.
@@ -27,7 +29,8 @@ from remote_loader.client.errors import (
     RemoteLoaderError,
     map_rpc_error,
 )
-from remote_loader.protos import codec, wire
+from remote_loader.protos import codec, shm, wire
+from remote_loader.protos import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class Ready:
     batch: Any
     device_payload: torch.Tensor | None = None
     event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
+    nbytes: int = 0  # the encoded batch's size (header and tensor data), for stats()
 
 
 @dataclasses.dataclass
@@ -130,13 +134,19 @@ class _Broken(Exception):
         self.error = error
 
 
+class _ShmFailed(Exception):
+    """The server offered a ring this process cannot use: continue without shared memory."""
+
+
 class Receiver(threading.Thread):
     """Reads an epoch's Frames into `out_q`, a queue of `Item`s.
 
-    `open_stream(start)` starts a Stream call from batch `start`. Queue protocol: one Ready or
-    Failed(final=False) per batch, in epoch order from `start`, then exactly one Finished or
-    Failed(final=True), unless `stop()` was called. `out_q` is bounded by the caller (its
-    maxsize is the prefetch depth); puts wait for room, checking `stop()`.
+    `open_stream(start, offer)` starts a Stream call from batch `start`, offering shared memory
+    when `offer` is not None (`use_shm`: try it; a stream that cannot use it goes on without).
+    Queue protocol: one Ready or Failed(final=False) per batch, in epoch order from `start`,
+    then exactly one Finished or Failed(final=True), unless `stop()` was called. `out_q` is
+    bounded by the caller (its maxsize is the prefetch depth); puts wait for room, checking
+    `stop()`.
 
     `wait_ready(timeout)` waits for the connection before a new stream; a stream that breaks is
     replaced up to `retries` times in a row (a batch arriving resets the count) before the error
@@ -145,7 +155,7 @@ class Receiver(threading.Thread):
 
     def __init__(
         self,
-        open_stream: Callable[[int], Any],
+        open_stream: Callable[[int, pb.ShmOffer | None], Any],
         out_q: queue.Queue[Item],
         *,
         device: torch.device,
@@ -156,6 +166,7 @@ class Receiver(threading.Thread):
         backoff: float = DEFAULT_BACKOFF,
         wait_ready: Callable[[float], bool] = lambda timeout: True,
         connect_timeout: float = 10.0,
+        use_shm: bool = False,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
         self._open_stream = open_stream
@@ -169,6 +180,10 @@ class Receiver(threading.Thread):
         self._wait_ready = wait_ready
         self._connect_timeout = connect_timeout
         self.reconnects = 0
+        self._use_shm = use_shm and shm.available()
+        # How the last batch arrived: "shm" (the shared-memory ring) or "grpc" (data Frames).
+        self.transport: str | None = None
+        self._ring: shm.RingReader | None = None
         self._lock = threading.Lock()  # guards _call against stop() from another thread
         self._stopped = threading.Event()
         self._call: Any = None
@@ -194,13 +209,24 @@ class Receiver(threading.Thread):
     def run(self) -> None:
         failures = 0  # breaks in a row, with no batch delivered between them
         while True:
+            probe = self._probe()
             with self._lock:
                 if self._stopped.is_set():
+                    if probe is not None:
+                        probe.remove()
                     return
-                self._call = self._open_stream(self._expected)
+                offer = None if probe is None else pb.ShmOffer(probe=probe.name, nonce=probe.nonce)
+                self._call = self._open_stream(self._expected, offer)
             before = self._expected
             try:
-                final = self._receive(iter(self._call))
+                final = self._receive(iter(self._call), probe)
+            except _ShmFailed as exc:
+                log.warning(
+                    "%s: %s; continuing over gRPC from batch %d", self._what, exc, self._expected
+                )
+                self._call.cancel()
+                self._use_shm = False
+                continue
             except _Broken as exc:
                 if self._stopped.is_set():
                     return
@@ -228,6 +254,16 @@ class Receiver(threading.Thread):
                 final = Failed(error, final=True)
             self._put(final)
             return
+
+    def _probe(self) -> shm.Probe | None:
+        if not self._use_shm:
+            return None
+        try:
+            return shm.Probe()
+        except shm.ShmUnavailable as exc:
+            log.info("%s: no shared memory here (%s); streaming over gRPC", self._what, exc)
+            self._use_shm = False
+            return None
 
     def _reconnect(self, error: RemoteLoaderError, failures: int) -> bool:
         """Waits out the backoff and for the connection; False if stopped meanwhile."""
@@ -259,11 +295,11 @@ class Receiver(threading.Thread):
         gave_up.__cause__ = error
         return gave_up
 
-    def _receive(self, frames: Iterator[bytes]) -> Item:
+    def _receive(self, frames: Iterator[bytes], probe: shm.Probe | None) -> Item:
         """Reads one stream; raises _Broken when a new stream could take over from here."""
         self._finished = None
         try:
-            return self._read(frames)
+            return self._read(frames, probe)
         except grpc.RpcError as exc:
             if self._finished is not None:
                 return self._finished  # the end frame arrived: what breaks after it is moot
@@ -273,12 +309,21 @@ class Receiver(threading.Thread):
             raise
         except ConnectionLostError as exc:
             raise _Broken(exc) from exc
+        finally:
+            if probe is not None:
+                probe.remove()  # the server removes it when it reads it; this is in case not
+            if self._ring is not None:  # each stream has its own ring
+                self._ring.close()
+                self._ring = None
 
-    def _read(self, frames: Iterator[bytes]) -> Item:
+    def _read(self, frames: Iterator[bytes], probe: shm.Probe | None) -> Item:
         expected = self._expected
         assembly: _Assembly | None = None
         finished: Finished | None = None
         for message in frames:
+            if probe is not None:
+                probe.remove()  # the server has read it, or never will
+                probe = None
             try:
                 meta, data = wire.parse_frame(message)
             except wire.FrameError as exc:
@@ -309,8 +354,17 @@ class Receiver(threading.Thread):
                     self._expected = expected
                     continue
                 assembly = _Assembly(meta, self._pin)
+                if meta.HasField("shm"):
+                    ready = self._from_ring(meta, assembly)
+                    assembly = None
+                    expected += 1
+                    if not self._put(ready):
+                        return Finished(expected)
+                    self._expected = expected
+                    continue
             if not assembly.add(meta, data):
                 continue
+            self.transport = "grpc"
             ready = self._decode(assembly)
             assembly = None
             expected += 1
@@ -324,16 +378,37 @@ class Receiver(threading.Thread):
             "without the server's end-of-stream frame"
         )
 
+    def _from_ring(self, meta: Any, assembly: _Assembly) -> Ready:
+        """Copies a batch out of the stream's ring into `assembly`, hands its space back."""
+        ref = meta.shm
+        if self._ring is None or self._ring.name != ref.ring:
+            if self._ring is not None:
+                self._ring.close()  # the server moved to a larger ring: the old one is read
+                self._ring = None
+            try:
+                self._ring = shm.RingReader(ref.ring, ref.ring_bytes)
+            except shm.ShmUnavailable as exc:
+                raise _ShmFailed(str(exc)) from exc
+        try:
+            view = self._ring.view(ref.offset, meta.total_bytes)
+        except ValueError as exc:
+            raise ProtocolError(f"{self._what}: batch {meta.batch}: {exc}") from exc
+        assembly.add(meta, view.data)  # the one copy, out of shared memory
+        del view
+        self._ring.release(ref.release)
+        self.transport = "shm"
+        return self._decode(assembly)
+
     def _decode(self, assembly: _Assembly) -> Ready:
         header = memoryview(assembly.header)
         try:
             if self._copy_stream is None:
-                return Ready(codec.decode(header, assembly.payload))
+                return Ready(codec.decode(header, assembly.payload), nbytes=assembly.total)
             with torch.cuda.stream(self._copy_stream):
                 device_payload = assembly.payload.to(self._device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             batch = codec.decode(header, assembly.payload, device_payload)
-            return Ready(batch, device_payload=device_payload, event=event)
+            return Ready(batch, device_payload=device_payload, event=event, nbytes=assembly.total)
         except codec.DecodeError as exc:
             raise ProtocolError(f"{self._what}: batch {assembly.batch}: {exc}") from exc

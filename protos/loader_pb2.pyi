@@ -70,20 +70,42 @@ class LoaderInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
     consumer: Consumer
     start: int
     fingerprint: str
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    shm: ShmOffer
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
+
+class ShmOffer(_message.Message):
+    __slots__ = ("probe", "nonce")
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    probe: str
+    nonce: bytes
+    def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmBatch(_message.Message):
+    __slots__ = ("ring", "ring_bytes", "offset", "release")
+    RING_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ring: str
+    ring_bytes: int
+    offset: int
+    release: int
+    def __init__(self, ring: _Optional[str] = ..., ring_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., release: _Optional[int] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("where", "type", "message", "traceback")
@@ -104,7 +126,7 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "data")
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "data")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +134,7 @@ class Frame(_message.Message):
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     batch: int
     part: int
@@ -120,8 +143,9 @@ class Frame(_message.Message):
     header_bytes: int
     error: RemoteError
     end: StreamEnd
+    shm: ShmBatch
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -75,6 +76,45 @@ def _parser() -> argparse.ArgumentParser:
         help=f"on SIGTERM, seconds running streams get to finish (default {DEFAULTS.grace:g})",
     )
     serve.add_argument("--log-level", help=f"default {DEFAULTS.log_level}")
+    serve.add_argument(
+        "--metrics-address",
+        help="HOST:PORT to serve Prometheus metrics on (port 0 picks a free one); "
+        "default: no metrics endpoint",
+    )
+    serve.add_argument(
+        "--max-batch-bytes",
+        type=int,
+        help="largest encoded batch in bytes; a bigger one is an error at its position "
+        f"(default {DEFAULTS.max_batch_bytes})",
+    )
+    serve.add_argument(
+        "--max-ring-bytes",
+        type=int,
+        help="largest shared-memory ring of a same-host stream in bytes; 0: never use shared "
+        f"memory (default {DEFAULTS.max_ring_bytes})",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help=f"largest request message in bytes (default {DEFAULTS.max_request_bytes})",
+    )
+    # The token itself has no flag (a command line is visible in `ps`): REMOTE_LOADER_TOKEN.
+    serve.add_argument(
+        "--token-file",
+        help="file holding the token clients must send (or set REMOTE_LOADER_TOKEN); "
+        "default: no token",
+    )
+    serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", help="PEM CA: clients must present a certificate it signed (mTLS)"
+    )
+    serve.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="turn on gRPC server reflection (default off)",
+    )
     add_spec_arguments(serve)
 
     check = sub.add_parser(
@@ -93,6 +133,18 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     health.add_argument(
         "--service", default="", help="health service name (default: the whole server)"
+    )
+    # No token: the health service answers without one (server/auth.py).
+    health.add_argument(
+        "--tls", action="store_true", help="use TLS, trusting the system's CAs (see --tls-ca)"
+    )
+    health.add_argument("--tls-ca", help="PEM CA the server's certificate is checked against")
+    health.add_argument("--tls-cert", help="PEM client certificate, for an mTLS server")
+    health.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    health.add_argument(
+        "--tls-server-name",
+        help="name to check the server's certificate against, when ADDR's host is not in it "
+        "(e.g. 127.0.0.1 inside the server's container)",
     )
 
     demo = sub.add_parser("demo", help="run a server and two trainers on the demo images")
@@ -115,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "health":
-        return _health(args.address, args.timeout, args.service)
+        return _health(args.address, args.timeout, args.service, _health_tls(args))
     return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers)
 
 
@@ -134,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             spec = demo_spec()
             specs = {spec.name: spec}
-        flags = {key: getattr(args, key) for key in vars(DEFAULTS)}
+        # Settings without a flag (the token, keepalive) are None here: not given.
+        flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
         settings = resolve_settings(table, os.environ, flags)
         logging.basicConfig(
             level=settings.log_level,
@@ -146,6 +199,16 @@ def _serve(args: argparse.Namespace) -> int:
             max_streams=settings.max_streams,
             chunk_size=settings.chunk_size,
             grace=settings.grace,
+            metrics_address=settings.metrics_address,
+            max_batch_bytes=settings.max_batch_bytes,
+            max_ring_bytes=settings.max_ring_bytes,
+            max_request_bytes=settings.max_request_bytes,
+            keepalive_time_ms=settings.keepalive_time_ms,
+            keepalive_timeout_ms=settings.keepalive_timeout_ms,
+            min_ping_interval_ms=settings.min_ping_interval_ms,
+            token=settings.auth_token(),
+            tls=settings.server_tls(),
+            reflection=settings.reflection,
         )
     except (ConfigError, OSError) as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
@@ -190,12 +253,55 @@ def _check_config(path: str) -> int:
     return 0
 
 
-def _health(address: str, timeout: float, service: str) -> int:
+@dataclasses.dataclass(frozen=True)
+class HealthTLS:
+    """How `health` reaches a TLS server: PEM paths (None: the system's CAs, no client cert)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+
+def _health_tls(args: argparse.Namespace) -> HealthTLS | None:
+    given = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if not args.tls and all(v is None for v in given):
+        return None
+    return HealthTLS(*given)
+
+
+def _health_channel(address: str, tls: HealthTLS | None) -> Any:
+    """A channel to `address`; ConfigError for TLS files that cannot be read."""
+    import grpc
+
+    from remote_loader.server.auth import read_pem
+
+    if tls is None:
+        return grpc.insecure_channel(address)
+    if (tls.cert is None) != (tls.key is None):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=None if tls.ca is None else read_pem("--tls-ca", tls.ca),
+        private_key=None if tls.key is None else read_pem("--tls-key", tls.key),
+        certificate_chain=None if tls.cert is None else read_pem("--tls-cert", tls.cert),
+    )
+    options = []
+    if tls.server_name is not None:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def _health(address: str, timeout: float, service: str, tls: HealthTLS | None = None) -> int:
     """0 if `address` answers SERVING, 1 if it answers anything else, 2 if it does not answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = _health_channel(address, tls)
+    except ConfigError as exc:
+        print(f"remote-loader: error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout

@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from remote_loader.protos import codec
+from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
+from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.sharing import (
     ClosingError,
     Consumer,
@@ -27,7 +29,13 @@ from remote_loader.server.sharing import (
     Runs,
 )
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import Fetcher, RemoteError, build_dataset, seed_rngs
+from remote_loader.server.worker import (
+    Fetcher,
+    RemoteError,
+    build_dataset,
+    check_batch_size,
+    seed_rngs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,20 @@ class InlineEngine:
     broken = False
     outstanding = 0
 
-    def __init__(self, spec: LoaderSpec, dataset: Any, batching: Batching) -> None:
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        dataset: Any,
+        batching: Batching,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        metrics: LoaderMetrics | None = None,
+    ) -> None:
         self._spec = spec
         self._dataset = dataset
         self._batching = batching
+        self._max_batch_bytes = max_batch_bytes
+        self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._queue: collections.deque[tuple[int, Any, int | None]] = collections.deque()
         self._fetcher: Fetcher | None = None
         self.outstanding = 0
@@ -75,15 +93,19 @@ class InlineEngine:
         self.outstanding -= 1
         if seed is not None:
             seed_rngs(seed, 0)
+        started = time.monotonic()
         try:
             batch = self._fetcher.fetch(indices)
             encoded = codec.encode(batch)
+            check_batch_size(encoded.total_nbytes, self._max_batch_bytes)
         except StopIteration:
             return Outcome(task_id, None)
         except Exception as exc:
+            self._metrics.make.observe(time.monotonic() - started)
             return Outcome(
                 task_id, Delivery(error=RemoteError.capture("in the server process", exc))
             )
+        self._metrics.make.observe(time.monotonic() - started)
         return Outcome(
             task_id,
             Delivery(blob=memoryview(encoded.to_bytes()), header_nbytes=len(encoded.header)),
@@ -101,8 +123,20 @@ class LoaderHost:
     factory or an option torch rejects fails here, at start-up, with the original exception.
     """
 
-    def __init__(self, spec: LoaderSpec, ctx: multiprocessing.context.BaseContext) -> None:
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        ctx: multiprocessing.context.BaseContext,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    ) -> None:
+        if max_batch_bytes < 1:
+            raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
         self.spec = spec
+        self.max_batch_bytes = max_batch_bytes
+        # What this loader served and where its batches waited; a server's MetricsServer
+        # shows it (server/metrics.py).
+        self.metrics = LoaderMetrics(spec.name)
         self.dataset = build_dataset(spec)
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
@@ -116,7 +150,9 @@ class LoaderHost:
             lambda seed, epoch, world_size: plan_epoch(spec, self.dataset, seed, epoch, world_size),
             self._lease,
             iterable=self.batching.is_iterable,
+            metrics=self.metrics,
         )
+        self.metrics.watch_consumers(self.runs.consumer_lags)
 
     def __len__(self) -> int:
         """Batches per epoch, as torch's `len(DataLoader)` (TypeError for an unsized dataset)."""
@@ -151,7 +187,13 @@ class LoaderHost:
                 self._persistent = self._new_pool()
 
     def _new_pool(self) -> WorkerPool:
-        pool = WorkerPool(self.spec, self.batching, self._ctx)
+        pool = WorkerPool(
+            self.spec,
+            self.batching,
+            self._ctx,
+            max_batch_bytes=self.max_batch_bytes,
+            metrics=self.metrics,
+        )
         pool.start()
         return pool
 
@@ -165,7 +207,13 @@ class LoaderHost:
         another job gets workers of its own at once.
         """
         if self.spec.num_workers == 0:
-            yield InlineEngine(self.spec, self.dataset, self.batching)
+            yield InlineEngine(
+                self.spec,
+                self.dataset,
+                self.batching,
+                max_batch_bytes=self.max_batch_bytes,
+                metrics=self.metrics,
+            )
             return
         pool = self._take_persistent(job, give_up)
         if pool is None:

@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
+from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
     EpochStart,
@@ -74,6 +76,11 @@ MAX_TASK_ATTEMPTS = 3
 # server between that Result and its release; a worker reuses only released slots. The
 # segments have no names in /dev/shm (torch's file_descriptor strategy unlinks them at once),
 # so nothing is left behind whichever process dies.
+#
+# Timing: a Result carries the worker's time.monotonic() when it took the task and when it was
+# done (one clock for every process of a Linux host); with the task's submit time and the time
+# poll read it, they give the index queue wait, the making and the result pipe wait
+# (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/metrics.py).
 #
 # NOTE [ Pool Shutdown ]
 #
@@ -142,6 +149,10 @@ class Delivery:
     header_nbytes: int = 0
     error: RemoteError | None = None
     release: Callable[[], None] = _nothing
+    # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
+    # the queue and latency metrics).
+    submitted_at: float = 0.0
+    received_at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -176,6 +187,9 @@ class WorkerPool:
         spec: LoaderSpec,
         batching: Batching,
         ctx: multiprocessing.context.BaseContext,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        metrics: LoaderMetrics | None = None,
     ) -> None:
         if spec.num_workers < 1:
             raise ValueError("a WorkerPool needs num_workers >= 1; num_workers=0 loads in-process")
@@ -184,6 +198,8 @@ class WorkerPool:
         self.num_workers = spec.num_workers
         self.prefetch = spec.prefetch_factor if spec.prefetch_factor is not None else 2
         self.max_outstanding = max(1, self.prefetch * self.num_workers)
+        self.max_batch_bytes = max_batch_bytes
+        self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._ctx = ctx
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._index_queues: list[Any] = []
@@ -266,6 +282,7 @@ class WorkerPool:
             server_pid=os.getpid(),
             incarnation=incarnation,
             current_task=making,
+            max_batch_bytes=self.max_batch_bytes,
         )
         proc = self._ctx.Process(  # type: ignore[attr-defined]
             target=worker_loop,
@@ -399,13 +416,15 @@ class WorkerPool:
             assert result.error is not None
             raise WorkerInitError(result.error)
         del self._pending[result.task_id]
-        self._free_since[result.worker_id] = time.monotonic()
+        now = self._free_since[result.worker_id] = time.monotonic()
         self._deaths_without_progress = 0
+        stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
             self._active[result.worker_id] = False
             return Outcome(result.task_id, None)
         if result.error is not None:
+            self._metrics.worker_timing(*stamps)
             return Outcome(result.task_id, Delivery(error=result.error))
         slot = self._slots.get((result.incarnation, result.slot))
         if slot is None:
@@ -413,6 +432,7 @@ class WorkerPool:
             # re-issued, and its new answer counts.
             self._pending[result.task_id] = pending
             return None
+        self._metrics.worker_timing(*stamps)
         blob = slot[: result.total_nbytes]
         return Outcome(
             result.task_id,
@@ -479,6 +499,7 @@ class WorkerPool:
     def _replace(self, worker_id: int, dead: multiprocessing.process.BaseProcess) -> Outcome | None:
         """See NOTE [ Worker Failures ]."""
         self.restarts += 1
+        self._metrics.restarts.inc()
         self._deaths_without_progress += 1
         mine = sorted(
             (p for p in self._pending.values() if p.worker_id == worker_id),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import json
 import logging
 import multiprocessing
 import multiprocessing.context
@@ -24,24 +26,35 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import wire
+from remote_loader.protos import shm, wire
+from remote_loader.server.auth import ServerTLS, TokenInterceptor
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.metrics import MetricsServer
+from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_REQUEST_BYTES
 from remote_loader.server.sharing import (
     DEFAULT_JOB,
     ClosingError,
     DetachedError,
+    Entry,
     LoaderBrokenError,
     Membership,
     SharingError,
 )
 from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.transport import StreamStopped, accept_offer
 
 log = logging.getLogger(__name__)
 
 # Streams served at once; one more is refused with RESOURCE_EXHAUSTED instead of queueing.
 DEFAULT_MAX_STREAMS = 32
 # Requests are a few plain fields: anything bigger is a mistake or an attack.
-MAX_REQUEST_BYTES = 64 * 1024
+MAX_REQUEST_BYTES = DEFAULT_MAX_REQUEST_BYTES
+# Handler threads beyond max_streams, for unary calls (health, Describe) and for refusing the
+# stream one over the limit: a full server still answers them at once.
+UNARY_THREADS = 8
+# Calls that may wait for a thread beyond those: past it gRPC answers RESOURCE_EXHAUSTED on its
+# own (a flood, not the stream limit, which LoaderService.Stream enforces).
+CALL_BACKLOG = 256
 # How long running streams may finish when the server is asked to stop.
 DEFAULT_GRACE = 5.0
 # Modules the fork server imports once, so each worker starts as a fork of a warm process.
@@ -75,7 +88,13 @@ def _noop() -> None:
 class LoaderService:
     """The `remote_loader.v1.Loader` service over a set of hosted loaders."""
 
-    def __init__(self, hosts: Mapping[str, LoaderHost], chunk_size: int) -> None:
+    def __init__(
+        self,
+        hosts: Mapping[str, LoaderHost],
+        chunk_size: int,
+        max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+    ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
         if not 0 < chunk_size <= wire.MAX_CHUNK_SIZE:
@@ -84,10 +103,16 @@ class LoaderService:
             )
         self.hosts = dict(hosts)
         self.chunk_size = chunk_size
+        # Each stream's shared-memory ring is at most this big (0: never use shared memory).
+        self.max_ring_bytes = max_ring_bytes
         # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
         self.draining = False
-        self._streams = 0
+        # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED (health and
+        # Describe are not counted: a full server still answers probes).
+        self.max_streams = max_streams
+        self._streams = 0  # always the Stream calls between their count and their finally
         self._streams_changed = threading.Condition()
+        self._stream_ids = itertools.count(1)  # names a stream in its log lines
 
     def wait_streams(self, timeout: float) -> bool:
         """Waits up to `timeout` s for the running streams to end; True if none is left."""
@@ -169,7 +194,26 @@ class LoaderService:
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._refuse_when_draining(context)
         with self._streams_changed:
-            self._streams += 1
+            full = self._streams >= self.max_streams
+            if not full:
+                self._streams += 1
+        if full:
+            log.warning(
+                "stream refused %s",
+                logfmt(
+                    peer=context.peer(),
+                    loader=request.loader,
+                    status="RESOURCE_EXHAUSTED",
+                    error=f"max_streams={self.max_streams} streams are running",
+                ),
+            )
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this server already runs its max_streams={self.max_streams} streams; retry "
+                "when one ends, or raise the server's max_streams setting (--max-streams, "
+                "REMOTE_LOADER_MAX_STREAMS)",
+            )
         try:
             yield from self._stream(request, context)
         finally:
@@ -198,18 +242,34 @@ class LoaderService:
         batches = start  # the position of the next batch in this consumer's epoch
         nbytes = 0
         completed = False  # the end frame went out: callbacks after it are not a cancellation
-        who = (
-            f"loader={host.spec.name} epoch={request.epoch} seed={seed} "
-            f"sharing={membership.sharing} job={membership.job} "
-            f"rank={membership.rank}/{membership.world_size} start={start}"
+        who = logfmt(
+            stream=next(self._stream_ids),
+            peer=context.peer(),
+            loader=host.spec.name,
+            epoch=request.epoch,
+            seed=seed,
+            sharing=membership.sharing,
+            job=membership.job,
+            rank=f"{membership.rank}/{membership.world_size}",
+            start=start,
         )
-        log.info("stream start %s peer=%s", who, context.peer())
+        # Same host? Read the client's probe now (it is removed either way).
+        sender = accept_offer(request.shm, self.max_ring_bytes) if request.HasField("shm") else None
+        transport = "shm" if sender is not None else "grpc"
+        if request.HasField("shm") and sender is None:
+            transport += " (shm offered, declined)"
+        log.info("stream start %s %s", who, logfmt(transport=transport))
         consumer = None
         try:
             consumer = host.attach(membership, seed, request.epoch, start)
             # Detach at once when the client goes, even if this thread is stuck sending.
             context.add_callback(consumer.close)
             shared_frames = membership.sharing == "broadcast"
+
+            def stopped() -> bool:
+                assert consumer is not None
+                return cancelled.is_set() or consumer.detached is not None
+
             while (entry := consumer.next(cancelled)) is not None:
                 try:
                     if entry.error is not None:
@@ -225,10 +285,20 @@ class LoaderService:
                                 ),
                             )
                         )
+                    elif sender is not None and (
+                        frame := sender.frame(
+                            batches,
+                            entry.blob() if shared_frames else _blob(entry),
+                            entry.delivery.header_nbytes,
+                            stopped,
+                        )
+                    ):
+                        yield frame
+                        nbytes += entry.nbytes
                     elif shared_frames:
                         frames = entry.frames(batches, self.chunk_size)
                         yield from frames
-                        nbytes += sum(len(f) for f in frames)
+                        nbytes += entry.nbytes
                     else:
                         blob = entry.delivery.blob
                         assert blob is not None
@@ -236,12 +306,21 @@ class LoaderService:
                             batches, blob, entry.delivery.header_nbytes, self.chunk_size
                         )
                         nbytes += len(blob)
+                except StreamStopped:
+                    if cancelled.is_set():
+                        return  # the finally below closes the consumer; nothing more to send
+                    continue  # detached: next() says why
                 finally:
                     consumer.done(entry)
+                consumer.sent(entry)  # metrics: batches, bytes or errors served
                 batches += 1
             # Detach before the end frame: the last consumer out gives the workers back first,
             # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
             consumer.close()
+            if sender is not None:
+                # The ring's name must outlive the client's opening it (it may be behind).
+                with contextlib.suppress(StreamStopped):
+                    sender.finish(cancelled.is_set)
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
@@ -268,14 +347,58 @@ class LoaderService:
         finally:
             if consumer is not None:
                 consumer.close()
-            log.info(
-                "stream end %s batches=%d bytes=%d seconds=%.3f%s",
+            if sender is not None:
+                sender.close()
+            outcome = _outcome(context, cancelled.is_set() and not completed, completed)
+            log.log(
+                logging.WARNING if "status" in outcome else logging.INFO,
+                "stream end %s %s",
                 who,
-                batches - start,
-                nbytes,
-                time.monotonic() - started,
-                " (cancelled by the client)" if cancelled.is_set() and not completed else "",
+                logfmt(
+                    batches=batches - start,
+                    bytes=nbytes,
+                    shm_batches=sender.batches if sender is not None else 0,
+                    seconds=f"{time.monotonic() - started:.3f}",
+                    **outcome,
+                ),
             )
+
+
+def _blob(entry: Entry) -> memoryview:
+    blob = entry.delivery.blob
+    assert blob is not None, "an entry without an error has a blob"
+    return blob
+
+
+def logfmt(**fields: object) -> str:
+    """`key=value` pairs for a log line; values with spaces, quotes or `=` are quoted (JSON)."""
+    parts = []
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+            text = json.dumps(text)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) -> dict[str, str]:
+    """How a stream ended, for its log line: with the status code and message of an error."""
+    # code() and details() are grpc's (experimental) ServicerContext API, not in grpc-stubs.
+    code = getattr(context, "code", lambda: None)()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        details = getattr(context, "details", lambda: b"")()
+        if isinstance(details, bytes):
+            details = details.decode("utf-8", "replace")
+        return {"outcome": "error", "status": code.name, "error": str(details or "")}
+    if cancelled:
+        return {"outcome": "cancelled"}  # by the client: it broke off, closed or died
+    return {"outcome": "completed" if completed else "ended"}
+
+
+def _tls_mode(tls: ServerTLS | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca is not None else "TLS"
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -295,9 +418,17 @@ class LoaderServer:
     port: int
     service: LoaderService
     health: health.HealthServicer
+    # The Prometheus endpoint (metrics_address), bound; None when off.
+    metrics: MetricsServer | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.port if self.metrics is not None else None
 
     def start(self) -> None:
         self.grpc_server.start()
+        if self.metrics is not None:
+            self.metrics.start()
         for name in ("", wire.SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -313,6 +444,8 @@ class LoaderServer:
         # A stream whose handler has returned still has its status to send: give calls the
         # rest of the grace (up to a second when none is left) rather than cancel them at once.
         self.grpc_server.stop(max(deadline - time.monotonic(), min(grace, 1.0))).wait()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def create_server(
@@ -321,9 +454,23 @@ def create_server(
     *,
     max_streams: int = DEFAULT_MAX_STREAMS,
     chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
+    max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    keepalive_time_ms: int = wire.KEEPALIVE_TIME_MS,
+    keepalive_timeout_ms: int = wire.KEEPALIVE_TIMEOUT_MS,
+    min_ping_interval_ms: int = wire.KEEPALIVE_TIME_MS // 2,
+    token: str | None = None,
+    tls: ServerTLS | None = None,
+    reflection: bool = False,
+    metrics_address: str | None = None,
 ) -> LoaderServer:
-    """A server for `hosts`, bound to `address` (port 0: a free one) but not started."""
-    service = LoaderService(hosts, chunk_size)
+    """A server for `hosts`, bound to `address` (port 0: a free one) but not started.
+
+    With `token`, every call but health checks must carry `authorization: Bearer <token>`
+    (server/auth.py); with `tls`, the port speaks TLS only (mTLS when it has a client CA).
+    The keyword arguments are the [server] settings of the same names (server/settings.py).
+    """
+    service = LoaderService(hosts, chunk_size, max_ring_bytes, max_streams=max_streams)
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
             service.ListLoaders,
@@ -343,37 +490,67 @@ def create_server(
     options: list[tuple[str, Any]] = [
         # Refuse to share a port with another server (a second server must fail, not split traffic).
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", chunk_size + wire.FRAME_OVERHEAD),
-        *wire.SERVER_KEEPALIVE_OPTIONS,
+        # Pings of its own find clients that vanished; the clients' pings (every
+        # wire.KEEPALIVE_TIME_MS) are accepted, never counted as strikes.
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
     server = grpc.server(
-        # Streams, plus room for unary calls and health checks beside them.
-        futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="rl-rpc"),
+        # A thread per stream (LoaderService.Stream counts them against max_streams), plus
+        # threads for unary calls and health checks beside them.
+        futures.ThreadPoolExecutor(
+            max_workers=max_streams + UNARY_THREADS, thread_name_prefix="rl-rpc"
+        ),
         handlers=[grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers)],
-        maximum_concurrent_rpcs=max_streams,
+        interceptors=[TokenInterceptor(token)] if token is not None else None,
+        maximum_concurrent_rpcs=max_streams + UNARY_THREADS + CALL_BACKLOG,
         options=options,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflection:
+        from grpc_reflection.v1alpha import reflection as grpc_reflection
+
+        grpc_reflection.enable_server_reflection(
+            (wire.SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), server
+        )
     try:
-        port = server.add_insecure_port(address)
+        if tls is not None:
+            port = server.add_secure_port(address, tls.credentials())
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc} (is another server using it?)") from exc
+        # grpc says only "Failed to bind": with TLS, a bad certificate or key fails the same way.
+        also = " Or are the TLS certificate and key not a matching PEM pair?" if tls else ""
+        raise OSError(
+            f"cannot listen on {address}: {exc} (is another server using it?{also})"
+        ) from exc
     if port == 0:
         raise OSError(f"cannot listen on {address} (is another server using it?)")
-    return LoaderServer(server, port, service, health_servicer)
+    # Prometheus metrics on a port of their own (server/metrics.py), bound now, served once
+    # started and closed with the gRPC server.
+    metrics = None
+    if metrics_address:
+        metrics = MetricsServer(metrics_address, [host.metrics for host in hosts.values()])
+    return LoaderServer(server, port, service, health_servicer, metrics)
 
 
 def build_hosts(
-    specs: Mapping[str, LoaderSpec], ctx: multiprocessing.context.BaseContext | None = None
+    specs: Mapping[str, LoaderSpec],
+    ctx: multiprocessing.context.BaseContext | None = None,
+    *,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
     ctx = ctx or worker_context()
     hosts: dict[str, LoaderHost] = {}
     try:
         for name, spec in specs.items():
-            hosts[name] = LoaderHost(spec, ctx)
+            hosts[name] = LoaderHost(spec, ctx, max_batch_bytes=max_batch_bytes)
             hosts[name].start()
     except BaseException:
         for host in hosts.values():
@@ -391,19 +568,36 @@ def serve(
     grace: float = DEFAULT_GRACE,
     ready: threading.Event | None = None,
     stop: threading.Event | None = None,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    **options: Any,
 ) -> int:
-    """Runs a server until SIGTERM / SIGINT (or `stop`); returns the process exit code."""
-    hosts = build_hosts(specs)  # workers and the fork server start before any gRPC thread
+    """Runs a server until SIGTERM / SIGINT (or `stop`); returns the process exit code.
+
+    `options` are create_server's other keyword arguments (max_request_bytes, the keepalive
+    settings, token, tls, reflection, metrics_address, ...).
+    """
+    # Workers and the fork server start before any gRPC thread.
+    hosts = build_hosts(specs, max_batch_bytes=max_batch_bytes)
     stop = stop or threading.Event()
     try:
-        server = create_server(hosts, address, max_streams=max_streams, chunk_size=chunk_size)
+        server = create_server(
+            hosts, address, max_streams=max_streams, chunk_size=chunk_size, **options
+        )
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
         server.start()
         names = ", ".join(sorted(hosts))
-        log.info("serving %s on port %d", names, server.port)
+        log.info(
+            "serving %s on port %d (%s, %s)",
+            names,
+            server.port,
+            _tls_mode(options.get("tls")),
+            "token required" if options.get("token") is not None else "no token",
+        )
         print(f"remote-loader: serving {names} on port {server.port}", flush=True)
+        if server.metrics is not None:
+            log.info("metrics (Prometheus) on port %d", server.metrics.port)
         if ready is not None:
             ready.set()
         stop.wait()

@@ -12,10 +12,26 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from remote_loader.protos import wire
+from remote_loader.protos import shm, wire
+from remote_loader.server.auth import ServerTLS, check_token, load_tls, token_from_file
 from remote_loader.server.spec import ConfigError
 
 ENV_PREFIX = "REMOTE_LOADER_"
+# The largest encoded batch a loader may make (max_batch_bytes). A batch is held whole in a
+# worker's shared-memory slot (prefetch_factor * num_workers of them may be in flight, in a
+# /dev/shm that containers size: docker-compose.yml gives 2 GiB), then whole in the trainer's
+# pinned memory. One of several GiB is nearly always a mistake (a batch_size meant for samples,
+# a collate_fn that gathers the dataset) that would otherwise end as a worker killed by SIGBUS
+# or the OOM killer; 2 GiB is well above real batches (256 float32 images of 3x512x512 are
+# 805 MB). A batch over it is an error at its position (server/worker.py check_batch_size).
+DEFAULT_MAX_BATCH_BYTES = 2 << 30
+# Requests are a few plain fields (loader, epoch, seed, consumer): anything near this is a
+# mistake or an attack. Below MIN_REQUEST_BYTES even ordinary requests would be refused.
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024
+MIN_REQUEST_BYTES = 1024
+# Settings that come only from the environment: a secret does not belong in a config file
+# (often committed, mounted world-readable) nor on a command line (visible in `ps`).
+ENV_ONLY = frozenset({"token"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +47,36 @@ class ServerSettings:
     # On SIGTERM, seconds running streams get to finish.
     grace: float = 5.0
     log_level: str = "INFO"
+    # HOST:PORT of the Prometheus metrics endpoint (server/metrics.py); empty: no endpoint.
+    metrics_address: str = ""
+    # Largest encoded batch in bytes; a bigger one is an error at its position (why 2 GiB:
+    # DEFAULT_MAX_BATCH_BYTES).
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    # Largest shared-memory ring of one same-host stream, in bytes (protos/shm.py); a batch
+    # bigger than it goes as gRPC frames; 0 turns the shared-memory transport off.
+    max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES
+    # Largest request message in bytes (grpc.max_receive_message_length).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Keepalive, see protos/wire.py: the server pings a connection silent for keepalive_time_ms
+    # and drops it when no answer comes within keepalive_timeout_ms (a trainer whose host
+    # vanished stops holding its stream); it accepts a client's pings as often as every
+    # min_ping_interval_ms, which must not exceed the clients' wire.KEEPALIVE_TIME_MS.
+    keepalive_time_ms: int = wire.KEEPALIVE_TIME_MS
+    keepalive_timeout_ms: int = wire.KEEPALIVE_TIMEOUT_MS
+    min_ping_interval_ms: int = wire.KEEPALIVE_TIME_MS // 2
+    # A file holding the token clients must send ("authorization: Bearer <token>"); the
+    # environment variable REMOTE_LOADER_TOKEN may hold the token itself instead. Neither: no
+    # token is asked for. The health service stays open either way (see server/auth.py).
+    token_file: str | None = None
+    # TLS: the server's PEM certificate chain and private key (both or neither); with
+    # tls_client_ca, clients must present a certificate signed by that CA (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # gRPC server reflection (grpcurl and the like); it needs the token like any other call.
+    reflection: bool = False
+    # The token itself, from REMOTE_LOADER_TOKEN only (ENV_ONLY); never shown.
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         host, sep, port = self.address.rpartition(":")
@@ -54,9 +100,72 @@ class ServerSettings:
                 f"got {self.log_level!r}"
             )
         object.__setattr__(self, "log_level", level)
+        if self.metrics_address:
+            host, sep, port = self.metrics_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(
+                    "server metrics_address must be HOST:PORT (port 0 picks a free one), or "
+                    f"empty for no metrics endpoint, got {self.metrics_address!r}"
+                )
+            if self.metrics_address == self.address and int(port) != 0:
+                raise ConfigError(
+                    f"server metrics_address {self.metrics_address} is the gRPC address too: "
+                    "give the metrics endpoint a port of its own"
+                )
+        if self.max_batch_bytes < 1:
+            raise ConfigError(
+                f"server max_batch_bytes must be at least 1 byte, got {self.max_batch_bytes}"
+            )
+        if self.max_ring_bytes < 0:
+            raise ConfigError(
+                f"server max_ring_bytes must be >= 0 bytes (0: no shared memory), "
+                f"got {self.max_ring_bytes}"
+            )
+        self._check_limits()
+        self._check_security()
+
+    def _check_limits(self) -> None:
+        if not MIN_REQUEST_BYTES <= self.max_request_bytes <= wire.MAX_CHUNK_SIZE:
+            raise ConfigError(
+                f"server max_request_bytes must be between {MIN_REQUEST_BYTES} and "
+                f"{wire.MAX_CHUNK_SIZE} bytes (requests are a few plain fields), "
+                f"got {self.max_request_bytes}"
+            )
+        for key in ("keepalive_time_ms", "keepalive_timeout_ms", "min_ping_interval_ms"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"server {key} must be at least 1 ms, got {getattr(self, key)}")
+        if self.min_ping_interval_ms > wire.KEEPALIVE_TIME_MS:
+            raise ConfigError(
+                f"server min_ping_interval_ms must be at most {wire.KEEPALIVE_TIME_MS} (clients "
+                f"ping every {wire.KEEPALIVE_TIME_MS} ms; a server that accepts pings less "
+                f"often treats them as abuse), got {self.min_ping_interval_ms}"
+            )
+
+    def _check_security(self) -> None:
+        """Reads the files the security settings name, so a bad path fails start-up (and
+        check-config), not the first client."""
+        if self.token is not None and self.token_file is not None:
+            raise ConfigError(
+                "both REMOTE_LOADER_TOKEN and server token_file are set: give the token one way"
+            )
+        if self.token is not None:
+            check_token(self.token, f"environment variable {ENV_PREFIX}TOKEN")
+        self.auth_token()
+        self.server_tls()
+
+    def auth_token(self) -> str | None:
+        """The token clients must send (from REMOTE_LOADER_TOKEN or token_file); None: none."""
+        if self.token_file is not None:
+            return token_from_file(self.token_file)
+        return self.token
+
+    def server_tls(self) -> ServerTLS | None:
+        """The TLS material tls_cert, tls_key and tls_client_ca name; None: plaintext."""
+        return load_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def describe(self) -> str:
-        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+        shown = [f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self) if f.repr]
+        return ", ".join([*shown, "token set" if self.auth_token() else "no token"])
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerSettings)}
@@ -66,6 +175,19 @@ _TYPES: dict[str, type] = {
     "chunk_size": int,
     "grace": float,
     "log_level": str,
+    "metrics_address": str,
+    "max_batch_bytes": int,
+    "max_ring_bytes": int,
+    "max_request_bytes": int,
+    "keepalive_time_ms": int,
+    "keepalive_timeout_ms": int,
+    "min_ping_interval_ms": int,
+    "token_file": str,
+    "tls_cert": str,
+    "tls_key": str,
+    "tls_client_ca": str,
+    "reflection": bool,
+    "token": str,
 }
 
 
@@ -73,7 +195,7 @@ def _from_file(key: str, value: Any) -> Any:
     kind = _TYPES[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"[server] {key} must be {_kind_name(kind)}, got {value!r}")
     return value
 
@@ -82,6 +204,12 @@ def _from_env(key: str, text: str) -> Any:
     kind = _TYPES[key]
     if kind is str:
         return text
+    if kind is bool:
+        if text.lower() in _BOOLEANS:
+            return _BOOLEANS[text.lower()]
+        raise ConfigError(
+            f"environment variable {ENV_PREFIX}{key.upper()}={text!r} must be true or false"
+        )
     try:
         return kind(text)
     except ValueError:
@@ -91,7 +219,11 @@ def _from_env(key: str, text: str) -> Any:
 
 
 def _kind_name(kind: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number"}[kind]
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[kind]
+
+
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True}
+_BOOLEANS.update({"false": False, "0": False, "no": False, "off": False})
 
 
 def resolve_settings(
@@ -102,10 +234,16 @@ def resolve_settings(
     """The settings from a `[server]` table, the environment and flags (None: not given)."""
     values: dict[str, Any] = {}
     table = table or {}
+    if ENV_ONLY & set(table):
+        raise ConfigError(
+            "[server] token: a token does not belong in the config file; put it in a file "
+            f"named by token_file, or in the environment variable {ENV_PREFIX}TOKEN"
+        )
     unknown = sorted(set(table) - set(_FIELDS))
     if unknown:
         raise ConfigError(
-            f"[server]: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}"
+            f"[server]: unknown setting(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(k for k in _FIELDS if k not in ENV_ONLY)}"
         )
     for key, value in table.items():
         values[key] = _from_file(key, value)

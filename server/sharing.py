@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from remote_loader.protos import wire
+from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
 from remote_loader.server.pool import (
     POLL_INTERVAL,
     Delivery,
@@ -152,8 +153,11 @@ class Entry:
         self.position = position
         self.delivery = delivery
         self.made_at = time.monotonic()
+        # The encoded batch's size (0 for an error), kept: the blob goes once released.
+        self.nbytes = len(delivery.blob) if delivery.blob is not None else 0
         self._released = False
         self._frames: list[bytes] | None = None
+        self._blob: bytes | None = None
         self._lock = threading.Lock()
 
     @property
@@ -168,13 +172,32 @@ class Entry:
         """
         with self._lock:
             if self._frames is None:
-                blob = self.delivery.blob
+                blob = self._blob if self._blob is not None else self.delivery.blob
                 assert blob is not None
                 self._frames = list(
-                    wire.batch_frames(batch, blob, self.delivery.header_nbytes, chunk_size)
+                    wire.batch_frames(
+                        batch, memoryview(blob), self.delivery.header_nbytes, chunk_size
+                    )
                 )
                 self._release_locked()
             return self._frames
+
+    def blob(self) -> memoryview:
+        """The encoded batch, copied out of the worker's slot once and kept for every consumer.
+
+        Used by broadcast consumers on shared memory (which copy it into their own rings): the
+        worker's slot goes back at once, as with `frames()`.
+        """
+        with self._lock:
+            if self._blob is None:
+                if not self._released:
+                    assert self.delivery.blob is not None
+                    self._blob = bytes(self.delivery.blob)
+                    self._release_locked()
+                else:  # frames() came first and gave the slot back: the bytes are in them
+                    assert self._frames is not None
+                    self._blob = b"".join(wire.parse_frame(f)[1] for f in self._frames)
+            return memoryview(self._blob)
 
     def release(self) -> None:
         """Hands the worker's slot back; idempotent."""
@@ -311,6 +334,8 @@ class Consumer:
         self.closed = False
         self.detached: str | None = None  # why the Run let go of this consumer
         self._holding: list[Entry] = []
+        self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
+        self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
         self._on_close: Callable[[Consumer], None] = lambda consumer: None
 
     def next(self, cancelled: threading.Event) -> Entry | None:
@@ -318,6 +343,7 @@ class Consumer:
         `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
         run = self.run
         peers_since: float | None = None  # dynamic: since when only peers' batches were left
+        asked = time.monotonic()
         with run.cond:
             while True:
                 if run.fatal is not None:
@@ -329,7 +355,7 @@ class Consumer:
                 lane = self.lane
                 if isinstance(lane, _BroadcastLane):
                     if self.cursor < lane.produced:
-                        return lane.entry(self.cursor)
+                        return self._took(lane.entry(self.cursor), asked)
                     if lane.complete:
                         return None
                 else:
@@ -338,7 +364,7 @@ class Consumer:
                         entry = lane.pending.popleft()
                         lane.taken += 1
                         self._holding.append(entry)
-                        return entry
+                        return self._took(entry, asked)
                     # dynamic: not while another consumer still holds batches, which come back
                     # here if it goes away before it has sent them; a peer that holds one
                     # longer than detach_timeout does not keep this stream open.
@@ -350,9 +376,15 @@ class Consumer:
                             return None
                 run.cond.wait(POLL_INTERVAL)
 
+    def _took(self, entry: Entry, asked: float) -> Entry:
+        self._taken_at = time.monotonic()
+        self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
+        return entry
+
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
         run = self.run
+        self.metrics.sending(time.monotonic() - self._taken_at)
         with run.cond:
             self.moved_at = time.monotonic()
             if isinstance(self.lane, _BroadcastLane):
@@ -364,6 +396,10 @@ class Consumer:
                 self.lane.taken -= 1
                 entry.release()
             run.cond.notify_all()
+
+    def sent(self, entry: Entry) -> None:
+        """`entry` reached the client (for metrics: batches, bytes or errors served)."""
+        self.metrics.sent(entry.nbytes, entry.error is not None)
 
     def close(self) -> None:
         """Detaches from the Run (idempotent); the last consumer out ends it."""
@@ -391,9 +427,11 @@ class Run:
         *,
         iterable: bool,
         start: int = 0,
+        metrics: LoaderMetrics | None = None,
     ) -> None:
         self.key = key
         self.spec = spec
+        self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
         self._lease = lease
         self._iterable = iterable
@@ -405,7 +443,8 @@ class Run:
         self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
         self.started_at = time.monotonic()
         self._task_ids = itertools.count()
-        self._tasks: dict[int, tuple[_Lane, int]] = {}  # task id -> (lane, lane-local id)
+        # task id -> (lane, lane-local id, when it was submitted)
+        self._tasks: dict[int, tuple[_Lane, int, float]] = {}
         self._turn = 0  # the lane whose turn it is to submit next
         in_order = spec.in_order
         # Lane windows are set again once the engine (and its max_outstanding) is known.
@@ -580,12 +619,18 @@ class Run:
         outcome = engine.poll(POLL_INTERVAL)
         if outcome is not None:
             with self.cond:
-                lane, local_id = self._tasks.pop(outcome.task_id)
+                lane, local_id, submitted_at = self._tasks.pop(outcome.task_id)
                 lane.outstanding -= 1
+                if outcome.delivery is not None:
+                    outcome.delivery.submitted_at = submitted_at
+                    outcome.delivery.received_at = time.monotonic()
                 lane.reorder.put(local_id, outcome.delivery)
                 for delivery in lane.reorder.ready():
                     if delivery is not None:  # None: that worker's IterableDataset ran dry
                         lane.add(delivery)
+                        self.metrics.batch_ready(
+                            delivery.submitted_at, delivery.received_at, time.monotonic()
+                        )
                 self.cond.notify_all()
         return True
 
@@ -615,7 +660,7 @@ class Run:
             if not engine.submit(task_id, indices, seed):
                 lane.tasks_done = True  # every worker's IterableDataset has run dry
                 continue
-            self._tasks[task_id] = (lane, lane.issued)
+            self._tasks[task_id] = (lane, lane.issued, time.monotonic())
             lane.issued += 1
             lane.outstanding += 1
 
@@ -690,8 +735,10 @@ class Runs:
         lease: Callable[[str, Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
+        metrics: LoaderMetrics | None = None,
     ) -> None:
         self.spec = spec
+        self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._iterable = iterable
         self._plan = plan  # (seed, epoch, world_size) -> EpochPlan
         self._lease = lease  # (job, gave up?) -> the engine for one Run
@@ -717,6 +764,7 @@ class Runs:
                     lambda give_up: self._lease(membership.job, give_up),
                     iterable=self._iterable,
                     start=start,
+                    metrics=self.metrics,
                 )
                 consumer = run.try_attach(membership, start)
                 assert consumer is not None
@@ -741,6 +789,24 @@ class Runs:
     def active(self) -> list[Run]:
         with self._lock:
             return [run for runs in self._runs.values() for run in runs]
+
+    def consumer_lags(self) -> list[ConsumerRow]:
+        """Each attached consumer and how many batches it is behind (for metrics): broadcast,
+        behind the job's fastest consumer; partition and dynamic, its lane's batches made and
+        not yet sent (a dynamic job's consumers share one lane)."""
+        rows: list[ConsumerRow] = []
+        for run in self.active():
+            with run.cond:
+                fastest = max((c.cursor for c in run.consumers), default=0)
+                for c in run.consumers:
+                    lane = c.lane
+                    if isinstance(lane, _QueueLane):
+                        behind = len(lane.pending) + lane.taken
+                    else:
+                        behind = fastest - c.cursor
+                    m = c.membership
+                    rows.append((m.job, m.sharing, m.rank, behind))
+        return rows
 
     def close(self) -> None:
         """Ends every Run (server shutdown): consumers see the end of their stream."""

@@ -7,11 +7,11 @@ dataset, seeding like torch, fetching and collating one task, and the error-as-v
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import queue
 import random
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +28,22 @@ from remote_loader.server.spec import LoaderSpec, resolve
 MP_STATUS_CHECK_INTERVAL = 5.0
 # Shared-memory slots grow in steps of this, so batches of slightly varying size reuse them.
 SLOT_GRANULE = 1 << 20
+
+
+class BatchTooLargeError(ValueError):
+    """An encoded batch is bigger than the server's max_batch_bytes."""
+
+
+def check_batch_size(nbytes: int, limit: int) -> None:
+    """Raises BatchTooLargeError, saying what to change, for a batch over `limit` bytes."""
+    if nbytes > limit:
+        raise BatchTooLargeError(
+            f"the encoded batch is {nbytes} bytes ({nbytes / 2**20:.1f} MiB), more than the "
+            f"server's max_batch_bytes of {limit} bytes ({limit / 2**20:.1f} MiB); make smaller "
+            "batches (batch_size, or less data per sample), or raise the limit: max_batch_bytes "
+            "in the config's [server] table, REMOTE_LOADER_MAX_BATCH_BYTES or serve "
+            "--max-batch-bytes"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +105,11 @@ class Result:
     incarnation: int = 0
     # The worker cannot load anything (the dataset factory or worker_init_fn raised there).
     fatal: bool = False
+    # time.monotonic() when the worker took the task and when it had the result (for metrics):
+    # CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the server compares
+    # them with its own stamps.
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +131,9 @@ class WorkerConfig:
     # The task this worker is making (-1: none), written before each task: if the process dies,
     # the server knows which batch it died on (a Result may die unsent with it).
     current_task: Any
+    # An encoded batch bigger than this is an error at its position (the server setting
+    # max_batch_bytes; see check_batch_size).
+    max_batch_bytes: int
 
 
 # --- pieces shared with the in-process path ---------------------------------------------
@@ -303,9 +327,19 @@ def _run_task(
     init_error: RemoteError | None,
     where: str,
 ) -> Result:
-    base = functools.partial(
-        Result, cfg.worker_id, task.epoch_key, task.task_id, incarnation=cfg.incarnation
-    )
+    started = time.monotonic()
+
+    def base(**fields: Any) -> Result:
+        return Result(
+            cfg.worker_id,
+            task.epoch_key,
+            task.task_id,
+            incarnation=cfg.incarnation,
+            started_at=started,
+            finished_at=time.monotonic(),
+            **fields,
+        )
+
     if init_error is not None:
         return base(error=init_error, fatal=True)
     assert fetcher is not None
@@ -317,6 +351,8 @@ def _run_task(
         return base(error=RemoteError.capture(where, exc))
     try:
         encoded = codec.encode(batch)
+        # Before taking a slot: an oversized batch never reaches shared memory.
+        check_batch_size(encoded.total_nbytes, cfg.max_batch_bytes)
     except Exception as exc:
         return base(error=RemoteError.capture(f"encoding a batch {where}", exc))
     del batch

@@ -243,3 +243,16 @@ class Sleepy(Dataset[int]):
 
 def failing_init(worker_id: int) -> None:
     raise RuntimeError(f"worker_init_fn fails on purpose in worker {worker_id}")
+
+
+class Sizes(Dataset[torch.Tensor]):
+    """Sample i is `sizes[i]` bytes, all equal to i % 256: batches of chosen sizes."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.sizes[i],), i % 256, dtype=torch.uint8)

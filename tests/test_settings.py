@@ -29,6 +29,24 @@ def test_precedence_flag_then_environment_then_file_then_default() -> None:
     assert (flagged.max_streams, flagged.grace) == (2, 2.0)  # None: the flag was not given
 
 
+def test_metrics_address_and_max_batch_bytes() -> None:
+    from remote_loader.server.cli import DEFAULTS, _parser
+
+    defaults = ServerSettings()
+    assert (defaults.metrics_address, defaults.max_batch_bytes) == ("", 2 << 30)  # off, 2 GiB
+    table = {"metrics_address": "0.0.0.0:9090", "max_batch_bytes": 1 << 20}
+    assert resolve_settings(table, {}).metrics_address == "0.0.0.0:9090"
+    env = {"REMOTE_LOADER_METRICS_ADDRESS": "127.0.0.1:0", "REMOTE_LOADER_MAX_BATCH_BYTES": "4096"}
+    from_env = resolve_settings(table, env)
+    assert (from_env.metrics_address, from_env.max_batch_bytes) == ("127.0.0.1:0", 4096)
+    args = _parser().parse_args(
+        ["serve", "--metrics-address", "[::1]:9100", "--max-batch-bytes", "1024"]
+    )
+    flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
+    flagged = resolve_settings(table, env, flags)
+    assert (flagged.metrics_address, flagged.max_batch_bytes) == ("[::1]:9100", 1024)
+
+
 @pytest.mark.parametrize(
     ("table", "env", "message"),
     [
@@ -40,6 +58,19 @@ def test_precedence_flag_then_environment_then_file_then_default() -> None:
         ({"grace": -1}, {}, "grace must be >= 0 seconds"),
         ({}, {"REMOTE_LOADER_GRACE": "soon"}, "REMOTE_LOADER_GRACE='soon' must be a number"),
         ({}, {"REMOTE_LOADER_LOG_LEVEL": "LOUD"}, "log_level must be DEBUG, INFO"),
+        ({"metrics_address": "9090"}, {}, "metrics_address must be HOST:PORT .* or empty"),
+        ({"metrics_address": 9090}, {}, r"\[server\] metrics_address must be a string"),
+        (
+            {"address": "0.0.0.0:50051", "metrics_address": "0.0.0.0:50051"},
+            {},
+            "metrics_address 0.0.0.0:50051 is the gRPC address too",
+        ),
+        ({"max_batch_bytes": 0}, {}, "max_batch_bytes must be at least 1 byte, got 0"),
+        (
+            {},
+            {"REMOTE_LOADER_MAX_BATCH_BYTES": "2GB"},
+            "REMOTE_LOADER_MAX_BATCH_BYTES='2GB' must be an integer",
+        ),
     ],
 )
 def test_bad_settings_say_what_is_wrong(
@@ -103,3 +134,120 @@ def test_serve_listens_where_the_server_table_says(tmp_path: Path) -> None:
         proc.terminate()
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+# --- limits, keepalive, the token, TLS, reflection ---------------------------------------------
+
+TOKEN = "s3cret-Token_0123456789"
+PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+
+def test_new_settings_precedence() -> None:
+    table = {"max_request_bytes": 4096, "reflection": False, "keepalive_time_ms": 30_000}
+    env = {"REMOTE_LOADER_REFLECTION": "true", "REMOTE_LOADER_MAX_REQUEST_BYTES": "8192"}
+    settings = resolve_settings(table, env, {"max_request_bytes": 2048, "reflection": None})
+    assert (settings.max_request_bytes, settings.reflection) == (2048, True)
+    assert (settings.keepalive_time_ms, settings.keepalive_timeout_ms) == (30_000, 10_000)
+    assert resolve_settings(table, {"REMOTE_LOADER_REFLECTION": "off"}).reflection is False
+    defaults = ServerSettings()
+    assert (defaults.max_request_bytes, defaults.reflection, defaults.min_ping_interval_ms) == (
+        65536,
+        False,
+        10_000,
+    )
+    assert defaults.auth_token() is None and defaults.server_tls() is None
+
+
+def test_serve_flags_reach_the_settings() -> None:
+    from remote_loader.server.cli import DEFAULTS, _parser
+
+    args = _parser().parse_args(
+        ["serve", "--reflection", "--max-request-bytes", "4096", "--tls-cert", "c.pem"]
+    )
+    flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
+    assert (flags["reflection"], flags["max_request_bytes"], flags["tls_cert"]) == (
+        True,
+        4096,
+        "c.pem",
+    )
+    assert flags["token"] is None and flags["token_file"] is None  # the token has no flag
+    no = _parser().parse_args(["serve", "--no-reflection"])
+    assert no.reflection is False
+
+
+def test_the_token_comes_from_the_environment_or_a_file_and_is_never_shown(
+    tmp_path: Path,
+) -> None:
+    from_env = resolve_settings(None, {"REMOTE_LOADER_TOKEN": f" {TOKEN}\n"})
+    assert from_env.auth_token() == TOKEN
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{TOKEN}\n")
+    from_file = resolve_settings({"token_file": str(token_file)}, {})
+    assert from_file.auth_token() == TOKEN
+    for settings in (from_env, from_file):
+        assert TOKEN not in settings.describe() and TOKEN not in repr(settings)
+        assert settings.describe().endswith(", token set")
+    assert ServerSettings().describe().endswith(", no token")
+
+
+def test_bad_security_files_say_which_setting_and_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.pem")
+    not_pem = tmp_path / "cert.txt"
+    not_pem.write_text("hello")
+    pem = tmp_path / "cert.pem"
+    pem.write_text(PEM)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"tls_cert": str(pem)}, "server tls_cert is set but tls_key is not"),
+        ({"tls_key": str(pem)}, "server tls_key is set but tls_cert is not"),
+        ({"tls_client_ca": str(pem)}, "tls_client_ca is set without tls_cert and tls_key"),
+        (
+            {"tls_cert": missing, "tls_key": str(pem)},
+            f"server tls_cert: cannot read '{missing}': No such file or directory",
+        ),
+        ({"tls_cert": str(pem), "tls_key": str(not_pem)}, "server tls_key: .* is not a PEM file"),
+        (
+            {"tls_cert": str(pem), "tls_key": str(pem), "tls_client_ca": missing},
+            "server tls_client_ca: cannot read",
+        ),
+        ({"token_file": missing}, f"server token_file: cannot read '{missing}'"),
+        ({"token_file": str(empty)}, "token_file .* is empty"),
+    ]
+    for table, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            resolve_settings(table, {})
+
+
+@pytest.mark.parametrize(
+    ("table", "env", "message"),
+    [
+        ({"max_request_bytes": 10}, {}, "max_request_bytes must be between 1024 and 67108864"),
+        ({"keepalive_time_ms": 0}, {}, "keepalive_time_ms must be at least 1 ms, got 0"),
+        ({"min_ping_interval_ms": 30_000}, {}, "min_ping_interval_ms must be at most 20000"),
+        ({"reflection": "yes"}, {}, r"\[server\] reflection must be true or false, got 'yes'"),
+        ({}, {"REMOTE_LOADER_REFLECTION": "maybe"}, "REFLECTION='maybe' must be true or false"),
+        ({"token": TOKEN}, {}, "a token does not belong in the config file"),
+        ({}, {"REMOTE_LOADER_TOKEN": "two words"}, "printable ASCII without spaces"),
+        (
+            {"token_file": "/etc/hostname"},
+            {"REMOTE_LOADER_TOKEN": TOKEN},
+            "both REMOTE_LOADER_TOKEN and server token_file are set",
+        ),
+    ],
+)
+def test_bad_new_settings_say_what_is_wrong(
+    table: dict[str, object], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        resolve_settings(table, env)
+    assert TOKEN not in str(info.value)
+
+
+def test_check_config_shows_the_new_settings_but_not_the_token(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nmax_request_bytes = 4096\n\n" + LOADER)
+    result = _cli("check-config", str(path), env={"REMOTE_LOADER_TOKEN": TOKEN})
+    assert result.returncode == 0, result.stderr
+    assert "max_request_bytes 4096" in result.stdout and "reflection False" in result.stdout
+    assert "token set" in result.stdout and TOKEN not in result.stdout + result.stderr

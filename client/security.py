@@ -1,0 +1,161 @@
+"""How a RemoteLoader proves who it is and whom it talks to: TLS settings and the bearer token.
+
+The token rides on every call as metadata added by a channel interceptor, not as gRPC call
+credentials: grpc refuses call credentials on a plaintext channel, and a token is also useful
+there (a private network, TLS ended by a proxy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+TOKEN_ENV = "REMOTE_LOADER_TOKEN"
+
+if TYPE_CHECKING:  # generic in grpc-stubs only
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
+    _UnaryStream = grpc.UnaryStreamClientInterceptor[Any, Any]
+else:
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor
+    _UnaryStream = grpc.UnaryStreamClientInterceptor
+
+
+@dataclasses.dataclass(frozen=True)
+class TLS:
+    """TLS for a RemoteLoader's connection (`tls=True` is `TLS()`).
+
+    Args:
+        ca: PEM file of the CA that signed the server's certificate; None trusts the system's
+            CAs.
+        cert, key: PEM files of this client's certificate and private key, for a server that
+            asks for one (mutual TLS); both or neither.
+        server_name: the name the server's certificate must carry, when it is not the host of
+            the address (an IP address, or a name behind a proxy).
+    """
+
+    ca: str | os.PathLike[str] | None = None
+    cert: str | os.PathLike[str] | None = None
+    key: str | os.PathLike[str] | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError(
+                "TLS cert and key go together: give both (a client certificate for mutual "
+                "TLS) or neither"
+            )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem("ca", self.ca),
+            private_key=_read_pem("key", self.key),
+            certificate_chain=_read_pem("cert", self.cert),
+        )
+
+
+def _read_pem(field: str, path: str | os.PathLike[str] | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"TLS {field}: cannot read {os.fspath(path)!r}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"TLS {field}: {os.fspath(path)!r} is not a PEM file")
+    return data
+
+
+def resolve_tls(tls: bool | TLS | None) -> TLS | None:
+    """`tls` as a TLS (None: plaintext); True is TLS with the system's CAs."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return TLS()
+    if isinstance(tls, TLS):
+        return tls
+    raise TypeError(f"tls must be None, a bool or a TLS(...), got {type(tls).__name__}")
+
+
+def resolve_token(token: str | None) -> str | None:
+    """`token`, else REMOTE_LOADER_TOKEN; an empty string means none (not even the variable's)."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        source = f"the environment variable {TOKEN_ENV}"
+    else:
+        if not isinstance(token, str):
+            raise TypeError(f"token must be a string or None, got {type(token).__name__}")
+        source = "token"
+    if not token:
+        return None
+    # The token travels as gRPC metadata; the message never shows it.
+    if not all(33 <= ord(c) <= 126 for c in token):
+        raise ValueError(f"{source} must be printable ASCII without spaces")
+    return token
+
+
+def open_channel(
+    address: str,
+    options: Sequence[tuple[str, Any]],
+    *,
+    tls: TLS | None,
+    token: str | None,
+) -> grpc.Channel:
+    """A channel to `address`: TLS or plaintext, sending `token` (if any) on every call."""
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=list(options))
+    else:
+        extra = (
+            [] if tls.server_name is None else [("grpc.ssl_target_name_override", tls.server_name)]
+        )
+        channel = grpc.secure_channel(address, tls.credentials(), options=[*options, *extra])
+    if token is None:
+        return channel
+    return grpc.intercept_channel(channel, _BearerToken(token))
+
+
+@dataclasses.dataclass
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: grpc.Metadata | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _BearerToken(_UnaryUnary, _UnaryStream):
+    """Adds `authorization: Bearer <token>` to every unary and server-streaming call."""
+
+    def __init__(self, token: str) -> None:
+        self._metadatum = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), self._metadatum),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], grpc.CallFuture[Any]],
+        client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> grpc.CallFuture[Any]:
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], grpc.CallIterator[Any]],
+        client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> grpc.CallIterator[Any]:
+        return continuation(self._with_token(client_call_details), request)

@@ -1,0 +1,326 @@
+"""The same-host transport: batches through a shared-memory ring, gRPC carrying only where they are.
+
+NOTE [ Shared-memory transport ]
+
+Over TCP every batch is copied by grpc into its send buffer, by the kernel through the socket,
+and by grpc again into the message the client reads (py-spy: most of both processes' time for
+large batches). When client and server see the same /dev/shm (one machine, or containers that
+share IPC), a stream can skip all of that:
+
+    client                                    server
+    ------                                    ------
+    Probe: /dev/shm/rl-probe-<hex> holding    opens it (O_NOFOLLOW, a regular file, only that
+    a random nonce; offered in the            name pattern), compares the nonce, unlinks it.
+    StreamRequest (ShmOffer)                  Equal: the two share /dev/shm, use shm.
+                                              Anything else: plain Frames, as without an offer.
+                                              Ring: /dev/shm/rl-ring-<hex>, created after the
+                                              first batch (its size follows the batch size),
+                                              space reserved with posix_fallocate (a full tmpfs
+                                              is ENOSPC now, not SIGBUS later), 0600, owned by
+                                              the probe's owner, registered with
+                                              multiprocessing's resource tracker.
+    opens the ring named by the first         copies each batch into the ring (one memcpy) and
+    ShmBatch frame and unlinks its name:      sends a Frame with an ShmBatch: ring, offset and
+    from then on only the two mappings        the cursor to release once it is read.
+    keep it alive.
+    copies the batch out (its one copy,       waits, polling, until the client's cursor leaves
+    into pinned memory with CUDA) and         room for the next batch; stops waiting when the
+    stores the frame's `release` into the     stream is cancelled or the consumer detached.
+    ring's cursor word.
+
+Bounds: one ring per stream, at most `max_ring_bytes` (a bigger batch goes as plain Frames);
+the server is at most a ring ahead of the client, so the ring replaces gRPC's buffering.
+
+Release, whoever dies: the ring's name exists only between its creation and the client opening
+it. After that, the memory is freed when the last of the two mappings goes, and a process's
+mappings go when it exits, however it exits. The client marks the ring attached once it has
+mapped it; the server unlinks a ring (at the stream's end, or when it moves to a larger one)
+only after that mark or once the stream is cancelled, so a client that is a few batches behind
+still finds it. If the client never opens it, the server unlinks it when the stream ends; if the
+server is killed before that, its resource tracker (a separate process, outliving it) unlinks
+it. The probe is unlinked by the server when it reads it and by
+the client when the stream's first message or error arrives, whichever comes first.
+
+Cursor: the ring's first 64 bytes hold the client's `consumed` cursor (a little-endian u64 of
+bytes released since the ring was made, monotonic). Only the client writes it, only the server
+reads it; an aligned 8-byte store is not torn on the platforms torch supports, and the client
+stores it only after its copy has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PROBE_PREFIX = "rl-probe-"
+RING_PREFIX = "rl-ring-"
+# A client names files the server opens: only these exact shapes are accepted, so no request
+# can point the server at anything else (no "/", no "..", fixed length).
+_PROBE_NAME = re.compile(r"rl-probe-[0-9a-f]{32}")
+_RING_NAME = re.compile(r"rl-ring-[0-9a-f]{32}")
+NONCE_BYTES = 16
+
+# Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
+# ring), the rest of the first 64 bytes unused, then the data.
+RING_HEADER = 64
+_CURSOR = struct.Struct("<Q")
+_ATTACHED_AT = 8
+ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
+
+# A ring holds this many batches of the first batch's size: the receiver copies a batch out as
+# soon as its frame arrives, so a few are enough to keep both sides busy.
+RING_BATCHES = 4
+# Default cap on one stream's ring (a [server] setting): docker's default /dev/shm is 64 MiB,
+# hence the compose file's shm_size.
+DEFAULT_MAX_RING_BYTES = 256 * 1024 * 1024
+
+# Waiting for room: polls start short (a batch is usually copied out within a millisecond or
+# two) and back off to this, so a stalled client costs the server little.
+_MAX_POLL = 0.002
+
+
+class ShmUnavailable(OSError):
+    """Shared memory cannot be used here (no /dev/shm, another host, no room, no permission)."""
+
+
+def available() -> bool:
+    """Whether this process can use the shared-memory transport at all (Linux's /dev/shm)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(name))
+
+
+# --- the probe: do client and server see the same /dev/shm? -------------------------------
+
+
+class Probe:
+    """The client's half of the negotiation: a small file only a process sharing /dev/shm reads.
+
+    `remove()` is idempotent and safe to call from any thread.
+    """
+
+    def __init__(self) -> None:
+        self.name = PROBE_PREFIX + secrets.token_hex(16)
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            fd = os.open(_path(self.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot create {_path(self.name)}: {exc}") from exc
+        try:
+            os.write(fd, self.nonce)
+        except OSError as exc:
+            os.close(fd)
+            _unlink(self.name)
+            raise ShmUnavailable(f"cannot write {_path(self.name)}: {exc}") from exc
+        os.close(fd)
+
+    def remove(self) -> None:
+        _unlink(self.name)
+
+
+def verify_probe(name: str, nonce: bytes) -> int | None:
+    """The server's half: the probe owner's uid if `name` holds `nonce`, else None.
+
+    Removes the probe either way. Never follows a link, reads only a regular file of the exact
+    size, and compares in constant time.
+    """
+    if not _PROBE_NAME.fullmatch(name) or len(nonce) != NONCE_BYTES:
+        return None
+    try:
+        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None  # another host, another IPC namespace, or another user's file
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != NONCE_BYTES:
+            return None
+        content = os.read(fd, NONCE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        _unlink(name)
+    return st.st_uid if hmac.compare_digest(content, nonce) else None
+
+
+# --- the ring ------------------------------------------------------------------------------
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def ring_bytes_for(batch_nbytes: int, max_ring_bytes: int) -> int | None:
+    """The data size of a ring for batches of about `batch_nbytes`; None if one would not fit."""
+    one = _aligned(max(batch_nbytes, 1))
+    if one > max_ring_bytes:
+        return None
+    return min(RING_BATCHES * one, max_ring_bytes // ALIGN * ALIGN)
+
+
+class RingWriter:
+    """The server's end of one stream's ring: places batches, waits for the client's cursor."""
+
+    def __init__(self, capacity: int, owner_uid: int | None = None) -> None:
+        if capacity <= 0 or capacity % ALIGN:
+            raise ValueError(f"ring capacity must be a positive multiple of {ALIGN}: {capacity}")
+        self.name = RING_PREFIX + secrets.token_hex(16)
+        self.capacity = capacity
+        self._written = 0  # bytes placed since the ring was made (monotonic, like the cursor)
+        size = RING_HEADER + capacity
+        try:
+            fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot create {_path(self.name)}: {exc}") from exc
+        # From here the name exists: the resource tracker unlinks it if this process dies
+        # before close() does (the name it expects is shm_open's, with a leading slash).
+        resource_tracker.register("/" + self.name, "shared_memory")
+        try:
+            try:
+                # Reserve the pages now: tmpfs hands them out lazily, and a full /dev/shm would
+                # otherwise be a SIGBUS in the middle of a copy.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmUnavailable(
+                        f"no room in {SHM_DIR} for a {size}-byte ring ({exc.strerror}); raise the "
+                        "container's shm_size, or lower max_ring_bytes"
+                    ) from exc
+                raise ShmUnavailable(f"cannot size {_path(self.name)}: {exc}") from exc
+            if owner_uid is not None and os.geteuid() == 0 and owner_uid != 0:
+                # A root server serving a non-root client: the ring must be the client's to open.
+                os.fchown(fd, owner_uid, -1)
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            self._forget_name()
+            raise
+        os.close(fd)  # the mapping keeps the file
+        self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
+        self._closed = False
+
+    def consumed(self) -> int:
+        return int(_CURSOR.unpack_from(self._mm, 0)[0])
+
+    def place(
+        self, blob: memoryview, stopped: Callable[[], bool], poll: float = 50e-6
+    ) -> tuple[int, int] | None:
+        """Copies `blob` into the ring once there is room: (offset, release cursor).
+
+        None when `stopped()` turned true while waiting for the client (cancelled, detached).
+        """
+        assert self._data is not None, "ring closed"
+        n = len(blob)
+        need = _aligned(max(n, 1))
+        if need > self.capacity:
+            raise ValueError(f"a {n}-byte batch does not fit a {self.capacity}-byte ring")
+        start = self._written
+        pos = start % self.capacity
+        if pos + need > self.capacity:
+            start += self.capacity - pos  # no batch wraps: skip to the start of the ring
+            pos = 0
+        end = start + need
+        if not self._wait(lambda: end - self.consumed() <= self.capacity, stopped, poll):
+            return None
+        # numpy copies without holding the GIL, so other streams' threads run meanwhile.
+        np.copyto(self._data[pos : pos + n], np.frombuffer(blob, dtype=np.uint8))
+        self._written = end
+        return pos, end
+
+    def drain(self, stopped: Callable[[], bool]) -> bool:
+        """Waits until the client has released every batch placed; False if stopped first."""
+        return self._wait(lambda: self.consumed() >= self._written, stopped, 50e-6)
+
+    def attached(self) -> bool:
+        return bool(self._mm[_ATTACHED_AT])
+
+    def wait_attached(self, stopped: Callable[[], bool]) -> bool:
+        """Waits until the client has mapped the ring (its name may go then); False if stopped."""
+        return self._wait(self.attached, stopped, 50e-6)
+
+    @staticmethod
+    def _wait(ready: Callable[[], bool], stopped: Callable[[], bool], poll: float) -> bool:
+        while not ready():
+            if stopped():
+                return False
+            time.sleep(poll)
+            poll = min(poll * 2, _MAX_POLL)
+        return True
+
+    def _forget_name(self) -> None:
+        _unlink(self.name)
+        resource_tracker.unregister("/" + self.name, "shared_memory")
+
+    def close(self) -> None:
+        """Unlinks the name (if the client has not) and drops this side's mapping; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._forget_name()
+        self._data = None
+        with contextlib.suppress(BufferError):  # a view is alive; the mapping goes with it
+            self._mm.close()
+
+
+class RingReader:
+    """The client's end: opens the ring the server named, then unlinks the name at once."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        if not _RING_NAME.fullmatch(name):
+            raise ShmUnavailable(f"the server named an invalid ring {name!r}")
+        self.name = name
+        self.capacity = capacity
+        try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot open the server's ring {_path(name)}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != RING_HEADER + capacity:
+                raise ShmUnavailable(
+                    f"ring {name} is {size} bytes, the server said {RING_HEADER + capacity}"
+                )
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+            _unlink(name)  # both mappings keep it alive now; nothing is left to clean up
+        self._mm[_ATTACHED_AT] = 1
+        self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The batch at `offset` (valid until `release`)."""
+        assert self._data is not None, "ring closed"
+        if offset % ALIGN or offset + nbytes > self.capacity:
+            raise ValueError(
+                f"batch at offset {offset} of {nbytes} bytes lies outside the "
+                f"{self.capacity}-byte ring"
+            )
+        return self._data[offset : offset + nbytes]
+
+    def release(self, cursor: int) -> None:
+        _CURSOR.pack_into(self._mm, 0, cursor)
+
+    def close(self) -> None:
+        self._data = None
+        with contextlib.suppress(BufferError):  # a view is alive; the mapping goes with it
+            self._mm.close()

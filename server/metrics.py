@@ -1,0 +1,298 @@
+"""Prometheus metrics: what each loader served to whom, where its batches waited, restarts.
+
+Every LoaderHost records into its own `LoaderMetrics`; a server shows its hosts' together, in the
+Prometheus text format, on an HTTP port of its own (`MetricsServer`, setting `metrics_address`).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import wsgiref.simple_server
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+
+# Seconds, from a batch that was already waiting (1 ms) to a consumer stalled for minutes.
+BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+# A consumer's series: one per (loader, job, sharing, rank) ever seen, kept for the server's
+# life as counters must be; jobs and ranks are few, so the series stay few.
+CONSUMER_LABELS = ("loader", "job", "sharing", "rank")
+# The queues a batch passes through on the server, in order (remote_loader_queue_wait_seconds).
+QUEUES = ("index", "result", "reorder", "lane")
+# How long stopping the metrics server waits for its thread.
+STOP_TIMEOUT = 5.0
+
+# One row per attached consumer: (job, sharing, rank, lag in batches).
+ConsumerRow = tuple[str, str, int, int]
+
+
+class LoaderMetrics:
+    """One loader's metrics (all labelled loader=NAME); a prometheus_client collector.
+
+    The pool, the Runs and the streams of the loader record into it; `consumers` is asked at
+    each scrape for the consumers attached now and their lag.
+    """
+
+    def __init__(self, loader: str) -> None:
+        self.loader = loader
+        self._consumers: Callable[[], Iterable[ConsumerRow]] = list
+        # Not registered anywhere: a server's MetricsServer collects its hosts' through collect().
+        self.batches_served = Counter(
+            "remote_loader_batches_served",
+            "Batches sent to a consumer (errors at a batch's position not included).",
+            CONSUMER_LABELS,
+            registry=None,
+        )
+        self.bytes_served = Counter(
+            "remote_loader_bytes_served",
+            "Encoded batch bytes (header and tensor data, as the client decodes them) sent to a "
+            "consumer; RemoteLoader.stats().bytes counts the same bytes on the client.",
+            CONSUMER_LABELS,
+            registry=None,
+        )
+        self.batch_errors = Counter(
+            "remote_loader_batch_errors",
+            "Errors sent at a batch's position (DatasetError on the client): the dataset, "
+            "collate_fn or encoding raised, a worker kept dying, timeout, max_batch_bytes.",
+            CONSUMER_LABELS,
+            registry=None,
+        )
+        self._restarts = Counter(
+            "remote_loader_worker_restarts",
+            "Worker processes replaced after they died or were stopped for the loader's timeout.",
+            ("loader",),
+            registry=None,
+        )
+        self._queue_wait = Histogram(
+            "remote_loader_queue_wait_seconds",
+            "Seconds a batch waited in each server queue: index (task submitted -> a worker "
+            "starts it), result (worker done -> the server reads it), reorder (read -> its turn "
+            "in sampler order), lane (ready -> its stream takes it; per consumer for broadcast).",
+            ("loader", "queue"),
+            buckets=BUCKETS,
+            registry=None,
+        )
+        self._latency = Histogram(
+            "remote_loader_batch_latency_seconds",
+            "Seconds from a batch's task being submitted to the batch being ready to send in the "
+            "server (in order, in its lane): the index, make, result and reorder stages together.",
+            ("loader",),
+            buckets=BUCKETS,
+            registry=None,
+        )
+        self._make = Histogram(
+            "remote_loader_batch_make_seconds",
+            "Seconds a worker (or the server, with num_workers = 0) spent making a batch: the "
+            "dataset, collate_fn and encoding.",
+            ("loader",),
+            buckets=BUCKETS,
+            registry=None,
+        )
+        self._stream_wait = Histogram(
+            "remote_loader_stream_wait_seconds",
+            "Seconds a stream waited for its next batch to be ready (per batch sent): high "
+            "means production is the bottleneck.",
+            ("loader",),
+            buckets=BUCKETS,
+            registry=None,
+        )
+        self._send = Histogram(
+            "remote_loader_send_seconds",
+            "Seconds a stream spent handing a batch to gRPC (per batch sent), mostly blocked by "
+            "flow control: high means the client or the network is the bottleneck.",
+            ("loader",),
+            buckets=BUCKETS,
+            registry=None,
+        )
+        # Bound once: recording is then one lock and an add, no label lookup.
+        self.restarts = self._restarts.labels(loader)
+        self.index_wait, self.result_wait, self.reorder_wait, self.lane_wait = (
+            self._queue_wait.labels(loader, queue) for queue in QUEUES
+        )
+        self.latency = self._latency.labels(loader)
+        self.make = self._make.labels(loader)
+        self.stream_wait = self._stream_wait.labels(loader)
+        self.send = self._send.labels(loader)
+        self._families = (
+            self.batches_served,
+            self.bytes_served,
+            self.batch_errors,
+            self._restarts,
+            self._queue_wait,
+            self._latency,
+            self._make,
+            self._stream_wait,
+            self._send,
+        )
+
+    def watch_consumers(self, consumers: Callable[[], Iterable[ConsumerRow]]) -> None:
+        """Where scrapes read the attached consumers and their lag from (the loader's Runs)."""
+        self._consumers = consumers
+
+    def stream(self, job: str, sharing: str, rank: int) -> StreamMetrics:
+        """The recorder of one consumer's stream."""
+        return StreamMetrics(self, (self.loader, job, sharing, str(rank)))
+
+    def worker_timing(
+        self, submitted: float, started: float, finished: float, received: float
+    ) -> None:
+        """A worker's batch came back: its time.monotonic() stamps (see Result in worker.py)."""
+        self.index_wait.observe(max(0.0, started - submitted))
+        self.make.observe(max(0.0, finished - started))
+        self.result_wait.observe(max(0.0, received - finished))
+
+    def batch_ready(self, submitted: float, received: float, now: float) -> None:
+        """A batch left the reorder buffer for its lane."""
+        self.reorder_wait.observe(max(0.0, now - received))
+        self.latency.observe(max(0.0, now - submitted))
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield from family.collect()
+        rows = list(self._consumers())
+        consumers = GaugeMetricFamily(
+            "remote_loader_consumers",
+            "Consumers (streams) attached to the loader now.",
+            labels=("loader",),
+        )
+        consumers.add_metric((self.loader,), len(rows))
+        yield consumers
+        lag = GaugeMetricFamily(
+            "remote_loader_consumer_lag_batches",
+            "How far behind a consumer is, in batches. broadcast: behind the job's fastest "
+            "consumer; partition: its batches made and not yet sent; dynamic: the job's "
+            "batches made and not yet sent (shared by its consumers).",
+            labels=CONSUMER_LABELS,
+        )
+        # Consumers with the same labels (two epochs of a job overlapping, broadcast
+        # consumers all rank 0) are one series: the one furthest behind.
+        worst: dict[tuple[str, str, int], int] = {}
+        for job, sharing, rank, behind in rows:
+            key = (job, sharing, rank)
+            worst[key] = max(worst.get(key, 0), behind)
+        for (job, sharing, rank), behind in sorted(worst.items()):
+            lag.add_metric((self.loader, job, sharing, str(rank)), behind)
+        yield lag
+
+
+class StreamMetrics:
+    """One consumer's recorder: its counters bound to its labels, shared histograms."""
+
+    def __init__(self, loader: LoaderMetrics, labels: tuple[str, str, str, str]) -> None:
+        self._loader = loader
+        self._batches = loader.batches_served.labels(*labels)
+        self._bytes = loader.bytes_served.labels(*labels)
+        self._errors = loader.batch_errors.labels(*labels)
+
+    def took(self, waited: float, queued: float) -> None:
+        """The stream took a batch after waiting `waited` s; it had been ready `queued` s."""
+        self._loader.stream_wait.observe(waited)
+        self._loader.lane_wait.observe(max(0.0, queued))
+
+    def sending(self, seconds: float) -> None:
+        """The stream was done with a batch `seconds` after it took it."""
+        self._loader.send.observe(seconds)
+
+    def sent(self, nbytes: int, error: bool) -> None:
+        """A batch of `nbytes` encoded bytes (or an error at its position) was sent."""
+        if error:
+            self._errors.inc()
+        else:
+            self._batches.inc()
+            self._bytes.inc(nbytes)
+
+
+class _Merged:
+    """Several loaders' metrics as one set of families (a family per name, all hosts' samples)."""
+
+    def __init__(self, loaders: Sequence[LoaderMetrics]) -> None:
+        self._loaders = list(loaders)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for loader in self._loaders:
+            for family in loader.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                into.samples.extend(family.samples)
+        yield from merged.values()
+
+
+class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per scrape on stderr is noise
+
+
+class MetricsServer:
+    """The loaders' metrics over HTTP (any path), in the Prometheus text format.
+
+    Bound when made (port 0: a free one, then in `port`), serving after `start()`, stopped by
+    `close()`. Each server has its own: several can run in one process (tests).
+    """
+
+    def __init__(self, address: str, loaders: Sequence[LoaderMetrics]) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(
+                f"metrics address must be HOST:PORT (port 0 picks a free one), got {address!r}"
+            )
+        self.registry = CollectorRegistry()
+        self.registry.register(_Merged(loaders))
+        host = host.strip("[]")  # [::1]:9090
+        try:
+            family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
+            server_class = type(
+                "MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family}
+            )
+            self._httpd: ThreadingWSGIServer = wsgiref.simple_server.make_server(
+                host,
+                int(port),
+                make_wsgi_app(self.registry),
+                server_class,
+                handler_class=_QuietHandler,
+            )
+        except OSError as exc:
+            raise OSError(
+                f"cannot serve metrics on {address}: {exc} (is another server using it?)"
+            ) from exc
+        self.port: int = self._httpd.server_port
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="rl-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops serving and closes the port. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._httpd.shutdown()  # waits for serve_forever to return: only once it ran
+            thread.join(STOP_TIMEOUT)
+        self._httpd.server_close()

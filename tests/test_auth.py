@@ -1,0 +1,383 @@
+"""Who may call a server: the bearer token (checked before any handler runs), the open health
+service, reflection, TLS and mutual TLS, over real gRPC with certificates made here."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from remote_loader.client import TLS, AuthenticationError, ConnectionLostError, RemoteLoader
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.auth import ServerTLS
+from remote_loader.server.settings import resolve_settings
+from remote_loader.server.spec import ConfigError, LoaderSpec
+from tests.conftest import ROOT, ServeLoaders, serve_process, stop_process
+from tests.datasets import read_counts
+from tests.test_resume import CuttingProxy
+
+TOKEN = "s3cret-Token_0123456789"
+WRONG = "wrong-Token_9876543210"
+
+
+@pytest.fixture(autouse=True)
+def _no_token_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; tests set it themselves.
+    monkeypatch.delenv("REMOTE_LOADER_TOKEN", raising=False)
+
+
+def counted(log: Path, n: int = 48, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name="counted",
+        dataset="tests.datasets:Counted",
+        dataset_kwargs={"log": str(log), "n": n},
+        batch_size=8,
+        **options,
+    )
+
+
+def indices(loader: RemoteLoader) -> list[int]:
+    return torch.cat([b["index"] for b in loader]).tolist()
+
+
+def raw_stream(address: str, metadata: list[tuple[str, str]]) -> grpc.RpcError:
+    """The error of a Stream call made with `metadata` (and no client library in between)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(pb.StreamRequest(loader="counted"), metadata=tuple(metadata), timeout=10))
+    return info.value
+
+
+def health_status(channel: grpc.Channel) -> int:
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10
+    )
+    return int(reply.status)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "remote_loader.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+# --- the token ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "client_token", "message"),
+    [
+        ([], "", "this server requires a token: send the metadata 'authorization: Bearer"),
+        ([("authorization", f"Bearer {WRONG}")], WRONG, "the token sent is not this server's"),
+        ([("authorization", f"Basic {TOKEN}")], None, "must be exactly one 'Bearer <token>'"),
+    ],
+)
+def test_a_call_without_the_right_token_is_refused_before_any_work(
+    serve_loaders: ServeLoaders,
+    tmp_path: Path,
+    metadata: list[tuple[str, str]],
+    client_token: str | None,
+    message: str,
+) -> None:
+    log = tmp_path / "reads"
+    served = serve_loaders(counted(log), token=TOKEN)
+    assert read_counts(str(log)) == {}  # starting the loader read nothing
+    error = raw_stream(served.address, metadata)
+    assert isinstance(error, grpc.Call)
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    details = error.details() or ""
+    assert message in details
+    assert TOKEN not in details and WRONG not in details  # never echoed, right or wrong
+    if client_token is not None:  # the client library raises its typed error
+        for name in (None, "counted"):  # ListLoaders first, or Describe
+            with pytest.raises(AuthenticationError, match=message):
+                RemoteLoader(served.address, name, token=client_token)
+    # No handler ran: no sample was read and no stream was counted.
+    assert read_counts(str(log)) == {}
+    assert served.server.service.wait_streams(0)
+
+
+def test_the_right_token_streams_every_batch(
+    serve_loaders: ServeLoaders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "reads"
+    served = serve_loaders(counted(log, num_workers=2), token=TOKEN)
+    with RemoteLoader(served.address, token=TOKEN) as loader:
+        assert len(loader) == 6
+        assert indices(loader) == list(range(48))
+    monkeypatch.setenv("REMOTE_LOADER_TOKEN", TOKEN)  # the default when token= is not given
+    with RemoteLoader(served.address) as loader:
+        assert indices(loader) == list(range(48))
+    assert read_counts(str(log)) == {i: 2 for i in range(48)}
+    # token="" sends none, even with the variable set.
+    with pytest.raises(AuthenticationError, match="requires a token"):
+        RemoteLoader(served.address, token="")
+
+
+def test_resumed_streams_carry_the_token(serve_loaders: ServeLoaders, tmp_path: Path) -> None:
+    # Each resume after a cut connection is a new Stream call: it must be authenticated too.
+    spec = LoaderSpec(
+        name="slow",
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 60, "seconds": 0.01},
+        batch_size=2,
+        num_workers=2,
+    )
+    served = serve_loaders(spec, token=TOKEN)
+    middle = CuttingProxy(served.address)
+    try:
+        got = []
+        with RemoteLoader(middle.address, token=TOKEN, prefetch=1, backoff=0.05) as loader:
+            for i, batch in enumerate(loader):
+                got += batch.tolist()
+                if i in (3, 12):
+                    middle.cut()
+            assert loader._iterator is not None and loader._iterator._receiver.reconnects >= 1
+    finally:
+        middle.close()
+    assert got == list(range(60))
+
+
+def test_health_answers_without_a_token(serve_loaders: ServeLoaders, tmp_path: Path) -> None:
+    served = serve_loaders(counted(tmp_path / "reads"), token=TOKEN)
+    with grpc.insecure_channel(served.address) as channel:
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+    result = _cli("health", served.address)  # as a container's HEALTHCHECK runs it
+    assert (result.returncode, result.stdout.strip()) == (0, f"{served.address}: SERVING")
+
+
+def list_services(address: str, metadata: list[tuple[str, str]]) -> list[str]:
+    with grpc.insecure_channel(address) as channel:
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+            metadata=metadata,
+            timeout=10,
+        )
+        return [s.name for r in replies for s in r.list_services_response.service]
+
+
+def test_reflection_is_off_by_default_and_needs_the_token(
+    serve_loaders: ServeLoaders, tmp_path: Path
+) -> None:
+    plain = serve_loaders(counted(tmp_path / "a"))
+    with pytest.raises(grpc.RpcError) as info:
+        list_services(plain.address, [])
+    assert isinstance(info.value, grpc.Call)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    reflecting = serve_loaders(counted(tmp_path / "b"), token=TOKEN, reflection=True)
+    with pytest.raises(grpc.RpcError) as info:
+        list_services(reflecting.address, [])
+    assert isinstance(info.value, grpc.Call)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    names = list_services(reflecting.address, [("authorization", f"Bearer {TOKEN}")])
+    assert {wire.SERVICE_NAME, "grpc.health.v1.Health"} <= set(names)
+
+
+# --- TLS and mutual TLS ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PKI:
+    """PEM files: a CA, a server certificate for localhost and 127.0.0.1, a client's."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def server_tls(self, mutual: bool = False) -> ServerTLS:
+        return ServerTLS(
+            cert=self.server_cert.read_bytes(),
+            key=self.server_key.read_bytes(),
+            client_ca=self.ca.read_bytes() if mutual else None,
+        )
+
+
+def _issue(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    sans: list[x509.GeneralName] | None = None,
+    usage: x509.ObjectIdentifier | None = None,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    issuer_name, issuer_key = issuer or (name, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    if usage is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if key is not None:
+        path.with_suffix(".key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    out = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _issue("remote-loader test CA", ca_key, None)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = _issue(
+        "localhost",
+        server_key,
+        (ca.subject, ca_key),
+        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+    )
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = _issue(
+        "trainer-0", client_key, (ca.subject, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    _write(out / "ca.pem", ca, None)
+    _write(out / "server.pem", server, server_key)
+    _write(out / "client.pem", client, client_key)
+    return PKI(
+        out / "ca.pem",
+        out / "server.pem",
+        out / "server.key",
+        out / "client.pem",
+        out / "client.key",
+    )
+
+
+def test_tls_round_trip(serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI) -> None:
+    served = serve_loaders(counted(tmp_path / "reads"), tls=pki.server_tls())
+    port = served.address.rsplit(":", 1)[1]
+    for address in (served.address, f"localhost:{port}"):  # the certificate names both
+        with RemoteLoader(address, tls=TLS(ca=pki.ca)) as loader:
+            assert indices(loader) == list(range(48))
+    # A plaintext client gets no answer (the server speaks TLS only) and says so in time.
+    with pytest.raises(ConnectionLostError, match="no answer"):
+        RemoteLoader(served.address, connect_timeout=1.0)
+    # `remote-loader health` probes it with the CA, and fails cleanly without.
+    result = _cli("health", served.address, "--tls-ca", str(pki.ca))
+    assert (result.returncode, result.stdout.strip()) == (0, f"{served.address}: SERVING")
+    assert _cli("health", served.address, "--timeout", "1").returncode == 2
+
+
+def test_mutual_tls_needs_a_client_certificate(
+    serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI
+) -> None:
+    served = serve_loaders(
+        counted(tmp_path / "reads"), tls=pki.server_tls(mutual=True), token=TOKEN
+    )
+    mutual = TLS(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name="localhost")
+    with RemoteLoader(served.address, token=TOKEN, tls=mutual) as loader:
+        assert indices(loader) == list(range(48))
+    with pytest.raises(ConnectionLostError):
+        RemoteLoader(served.address, token=TOKEN, tls=TLS(ca=pki.ca), connect_timeout=1.0)
+    args = ("health", served.address, "--tls-ca", str(pki.ca))
+    assert _cli(*args, "--timeout", "1").returncode == 2
+    client = ("--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key))
+    assert _cli(*args, *client).returncode == 0
+
+
+def test_tls_options_are_checked_on_the_client(pki: PKI, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="TLS cert and key go together"):
+        TLS(cert=pki.client_cert)
+    with pytest.raises(ValueError, match=r"TLS ca: cannot read '.*nope\.pem': No such file"):
+        RemoteLoader("127.0.0.1:1", tls=TLS(ca=tmp_path / "nope.pem"))
+    with pytest.raises(TypeError, match="tls must be None, a bool or a TLS"):
+        RemoteLoader("127.0.0.1:1", tls="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token must be printable ASCII without spaces"):
+        RemoteLoader("127.0.0.1:1", token="two words")
+
+
+def test_tls_settings_read_and_check_the_files(pki: PKI) -> None:
+    table = {
+        "tls_cert": str(pki.server_cert),
+        "tls_key": str(pki.server_key),
+        "tls_client_ca": str(pki.ca),
+    }
+    assert resolve_settings(table, {}).server_tls() == pki.server_tls(mutual=True)
+    # A key of another certificate is caught at start-up, not as grpc's "Failed to bind".
+    with pytest.raises(ConfigError, match=r"tls_key '.*client\.key' are not a PEM certificate"):
+        resolve_settings({**table, "tls_key": str(pki.client_key)}, {})
+    with pytest.raises(ConfigError, match=r"tls_cert '.*server\.key' and tls_key"):
+        resolve_settings({**table, "tls_cert": str(pki.server_key)}, {})
+
+
+@pytest.fixture
+def served_process() -> Iterator[list[Any]]:
+    procs: list[Any] = []
+    yield procs
+    for proc in procs:
+        stop_process(proc)
+
+
+def test_serve_with_tls_and_a_token_file(
+    pki: PKI, tmp_path: Path, served_process: list[Any]
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")  # surrounding whitespace is not part of the token
+    proc, address = serve_process(
+        "--dataset",
+        "tests.datasets:Squares",
+        "--batch-size",
+        "10",
+        "--token-file",
+        str(token_file),
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+    )
+    served_process.append(proc)
+    with RemoteLoader(address, token=TOKEN, tls=TLS(ca=pki.ca)) as loader:
+        assert indices(loader) == list(range(50))
+    with pytest.raises(AuthenticationError, match="not this server's"):
+        RemoteLoader(address, token=WRONG, tls=TLS(ca=pki.ca))

@@ -1,0 +1,170 @@
+"""Operating limits over real gRPC: the stream limit (probes still answered), the request size,
+one server per port, and the structured stream log lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from remote_loader.client import RemoteLoader, RequestError, ServerError
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.service import create_server
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ROOT, ServeLoaders
+
+SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
+# A stream of this loader stays open for a while: 40 samples of 0.25 s, made one at a time.
+SLOW = LoaderSpec(
+    name="slow",
+    dataset="tests.datasets:Slow",
+    dataset_kwargs={"n": 40, "seconds": 0.25},
+    batch_size=1,
+)
+
+
+def _stream_error(address: str, request: pb.StreamRequest) -> tuple[grpc.Call, float]:
+    """The error status of a Stream call and how long it took to arrive."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
+        )
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(request, timeout=30))
+        assert isinstance(info.value, grpc.Call)
+        return info.value, time.monotonic() - started
+
+
+def test_one_stream_over_the_limit_is_refused_at_once(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(SLOW, max_streams=1)
+    with RemoteLoader(served.address) as first:
+        it = iter(first)
+        assert next(it) == 0  # the one stream allowed is running (and stays open)
+        error, seconds = _stream_error(served.address, pb.StreamRequest(loader="slow"))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert seconds < 2.0  # refused at once, not queued behind the running stream
+        assert "already runs its max_streams=1 streams" in (error.details() or "")
+        assert "--max-streams" in (error.details() or "")
+        # Probes and Describe are not streams: a full server still answers them.
+        with grpc.insecure_channel(served.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with RemoteLoader(served.address, connect_timeout=2) as second:
+            assert len(second) == 40
+            with pytest.raises(ServerError, match=r"max_streams=1 .*RESOURCE_EXHAUSTED"):
+                next(iter(second))
+        assert next(it) == 1  # the running stream was not disturbed
+    # Once the first stream has ended, its place is free again.
+    assert served.server.service.wait_streams(5)
+    with RemoteLoader(served.address) as again:
+        assert next(iter(again)) == 0
+
+
+def test_request_size_limit(serve_loaders: ServeLoaders) -> None:
+    small = serve_loaders(SQUARES, max_request_bytes=2048)
+    with RemoteLoader(small.address, job="j" * 1000) as loader:  # within the limit
+        assert len(loader) == 13
+    error, _ = _stream_error(
+        small.address, pb.StreamRequest(loader="squares", consumer=pb.Consumer(job="j" * 4000))
+    )
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (error.details() or "")
+    # The default (64 KiB) takes the 4000-byte request.
+    default = serve_loaders(SQUARES)
+    with RemoteLoader(default.address, job="j" * 4000) as loader:
+        assert len(list(loader)) == 13
+
+
+def test_a_second_server_on_the_same_port_fails_clearly(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(SQUARES)
+    port = served.server.port
+    with pytest.raises(OSError, match=rf"cannot listen on 127\.0\.0\.1:{port}: .*another server"):
+        create_server(served.hosts, f"127.0.0.1:{port}")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remote_loader.server.cli",
+            "serve",
+            "--dataset",
+            "tests.datasets:Squares",
+            "--address",
+            f"127.0.0.1:{port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"remote-loader: error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "is another server using it?" in result.stderr
+    # ... and the first server was not disturbed.
+    with RemoteLoader(served.address) as loader:
+        assert len(list(loader)) == 13
+
+
+# --- stream log lines -----------------------------------------------------------------------
+
+
+def _lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[str]:
+    """The service's log lines starting with `prefix`, waiting (5 s at most) for `count`:
+    a stream's end line is written by its handler thread after the client has its answer."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "remote_loader.server.service" and r.getMessage().startswith(prefix)
+        ]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def _fields(line: str) -> dict[str, str]:
+    return {k: v.strip('"') for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', line)}
+
+
+def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="remote_loader.server.service")
+    broken = LoaderSpec(
+        name="broken",
+        dataset="tests.datasets:Squares",
+        num_workers=1,
+        worker_init_fn="tests.datasets:failing_init",
+    )
+    served = serve_loaders(SQUARES, broken)
+    with RemoteLoader(served.address, "squares", job="my job") as loader:
+        assert len(list(loader)) == 13
+    with RemoteLoader(served.address, "broken") as loader, pytest.raises(RequestError):
+        next(iter(loader))
+    with RemoteLoader(served.address, "squares") as loader:
+        next(iter(loader))  # then closed: the client cancels the stream
+
+    starts = [_fields(line) for line in _lines(caplog, "stream start ", 3)]
+    ends = [_fields(line) for line in _lines(caplog, "stream end ", 3)]
+    assert len(starts) == len(ends) == 3
+    ok, failed, cancelled = sorted(ends, key=lambda f: int(f["stream"]))
+    assert [s["stream"] for s in starts] == [ok["stream"], failed["stream"], cancelled["stream"]]
+    assert starts[0]["peer"].startswith("ipv4:127.0.0.1:") and starts[0]["job"] == "my job"
+    assert (ok["loader"], ok["outcome"], ok["batches"]) == ("squares", "completed", "13")
+    assert int(ok["bytes"]) > 0 and float(ok["seconds"]) >= 0
+    assert (failed["outcome"], failed["status"]) == ("error", "FAILED_PRECONDITION")
+    assert "cannot make batches" in failed["error"]
+    assert cancelled["outcome"] == "cancelled" and "status" not in cancelled

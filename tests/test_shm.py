@@ -1,0 +1,393 @@
+"""The same-host shared-memory transport (NOTE [ Shared-memory transport ] in protos/shm.py).
+
+Unit tests of the probe and the ring, then real servers: the negotiation, fallbacks to gRPC
+Frames (a batch too big, no room in /dev/shm, a ring the client cannot open), and release of
+the shared memory when either side goes away.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from remote_loader.client import RemoteLoader
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import shm, wire
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process
+
+
+def rings() -> set[str]:
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.RING_PREFIX)}
+
+
+def mapped_rings(pid: int) -> list[str]:
+    """The rings process `pid` still maps (named or unlinked)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if shm.RING_PREFIX in line]
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _no_ring_left_behind() -> Iterator[None]:
+    before = rings()
+    yield
+    assert wait_until(lambda: not rings() - before, 5.0), rings() - before
+
+
+# --- the probe -----------------------------------------------------------------------------
+
+
+def test_a_probe_proves_a_shared_dev_shm_and_is_removed() -> None:
+    probe = shm.Probe()
+    assert os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
+    assert shm.verify_probe(probe.name, probe.nonce) == os.geteuid()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
+    probe.remove()  # idempotent
+
+
+def test_a_wrong_nonce_or_a_missing_probe_is_refused() -> None:
+    probe = shm.Probe()
+    assert shm.verify_probe(probe.name, bytes(shm.NONCE_BYTES)) is None
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, probe.name))  # removed either way
+    assert shm.verify_probe(probe.name, probe.nonce) is None  # gone: another host, in effect
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../etc/passwd",
+        "rl-probe-../../etc/passwd",
+        "rl-probe-" + "0" * 31,
+        "rl-ring-" + "0" * 32,
+    ],
+)
+def test_the_server_opens_only_probe_shaped_names(name: str) -> None:
+    assert shm.verify_probe(name, bytes(shm.NONCE_BYTES)) is None
+
+
+def test_a_probe_that_is_a_link_is_not_followed(tmp_path: Any) -> None:
+    target = tmp_path / "secret"
+    nonce = os.urandom(shm.NONCE_BYTES)
+    target.write_bytes(nonce)
+    name = "rl-probe-" + "ab" * 16
+    link = os.path.join(shm.SHM_DIR, name)
+    os.symlink(target, link)
+    try:
+        assert shm.verify_probe(name, nonce) is None
+    finally:
+        if os.path.lexists(link):
+            os.unlink(link)
+    assert target.read_bytes() == nonce
+
+
+# --- the ring ------------------------------------------------------------------------------
+
+
+def test_batches_go_round_the_ring_and_wait_for_the_reader() -> None:
+    writer = shm.RingWriter(4 * shm.ALIGN * 4)  # room for 4 batches of 4 lines
+    reader = shm.RingReader(writer.name, writer.capacity)
+    assert writer.name not in rings()  # the reader unlinked the name at once
+    try:
+        sent = [np.full(200 + i, i, dtype=np.uint8) for i in range(12)]
+        received: list[np.ndarray] = []
+        placed = []
+        for batch in sent[:4]:
+            placed.append(writer.place(batch.data, lambda: False))
+        # Full: the next one waits until stopped.
+        assert writer.place(sent[4].data, lambda: True) is None
+        for batch in sent[4:]:
+            offset, release = placed.pop(0)  # type: ignore[misc]
+            received.append(reader.view(offset, len(received) + 200).copy())
+            reader.release(release)
+            placed.append(writer.place(batch.data, lambda: False))
+        while placed:
+            offset, release = placed.pop(0)  # type: ignore[misc]
+            received.append(reader.view(offset, len(received) + 200).copy())
+            reader.release(release)
+        assert len(received) == len(sent)
+        for a, b in zip(sent, received, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert writer.drain(lambda: False)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_batch_never_wraps_and_a_reader_checks_bounds() -> None:
+    writer = shm.RingWriter(3 * shm.ALIGN)
+    reader = shm.RingReader(writer.name, writer.capacity)
+    try:
+        first = writer.place(memoryview(bytes(2 * shm.ALIGN)), lambda: False)
+        assert first == (0, 2 * shm.ALIGN)
+        reader.release(first[1])
+        # Two lines do not fit in the one left at the end: the batch starts the next lap.
+        assert writer.place(memoryview(bytes(2 * shm.ALIGN)), lambda: False) == (
+            0,
+            5 * shm.ALIGN,
+        )
+        with pytest.raises(ValueError, match="outside"):
+            reader.view(2 * shm.ALIGN, 2 * shm.ALIGN)
+        with pytest.raises(ValueError, match="does not fit"):
+            writer.place(memoryview(bytes(4 * shm.ALIGN)), lambda: False)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_ring_sizes_follow_the_batch_and_the_cap() -> None:
+    assert shm.ring_bytes_for(1000, 1 << 30) == shm.RING_BATCHES * 1024
+    assert shm.ring_bytes_for(1000, 2048) == 2048
+    assert shm.ring_bytes_for(5000, 4096) is None
+
+
+def test_no_room_in_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(shm.ShmUnavailable, match="shm_size"):
+        shm.RingWriter(1 << 20)
+
+
+# --- over a real server --------------------------------------------------------------------
+
+
+def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name="sizes",
+        dataset="tests.datasets:Sizes",
+        dataset_kwargs={"sizes": sizes},
+        batch_size=None,
+        num_workers=num_workers,
+        **options,
+    )
+
+
+def expected(sizes: list[int]) -> list[torch.Tensor]:
+    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_same_host_streams_go_through_shared_memory(
+    serve_loaders: ServeLoaders, num_workers: int
+) -> None:
+    sizes = [300_000] * 12
+    served = serve_loaders(sizes_spec(sizes, num_workers))
+    for transport, way in (("auto", "shm"), ("grpc", "grpc")):
+        with RemoteLoader(served.address, transport=transport) as loader:
+            assert loader.last_transport is None
+            assert_same(list(loader), expected(sizes))
+            assert loader.last_transport == way
+    assert not mapped_rings(os.getpid())  # both ends let go of every ring
+
+
+def test_rings_grow_with_the_batches_and_huge_batches_go_as_frames(
+    serve_loaders: ServeLoaders,
+) -> None:
+    # 1 KB batches make a 4 KiB ring; 100 KB needs a new one; 3 MB passes max_ring_bytes.
+    sizes = [1000, 1000, 1000, 100_000, 1000, 3_000_000, 1000, 100_000]
+    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20)
+    with RemoteLoader(served.address) as loader:
+        received = []
+        transports = []
+        for batch in loader:
+            received.append(batch)
+            transports.append(loader.last_transport)
+    assert_same(received, expected(sizes))
+    assert transports[5] == "grpc"
+    assert transports[:5] == ["shm"] * 5 and transports[6:] == ["shm"] * 2
+
+
+def test_no_room_for_a_ring_falls_back_to_grpc(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = [200_000] * 6
+    served = serve_loaders(sizes_spec(sizes))
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # the server's /dev/shm is full
+    with RemoteLoader(served.address) as loader:
+        assert_same(list(loader), expected(sizes))
+        assert loader.last_transport == "grpc"
+
+
+def test_a_ring_the_client_cannot_open_falls_back_without_losing_a_batch(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = [200_000] * 10
+    served = serve_loaders(sizes_spec(sizes))
+    real = shm.RingReader.__init__
+    opened = []
+
+    def refuse_after_the_first(self: shm.RingReader, name: str, capacity: int) -> None:
+        opened.append(name)
+        if len(opened) > 1:  # e.g. a server running as another user
+            raise shm.ShmUnavailable(f"cannot open the server's ring {name}: Permission denied")
+        real(self, name, capacity)
+
+    monkeypatch.setattr(shm.RingReader, "__init__", refuse_after_the_first)
+    with RemoteLoader(served.address) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(3)]
+        assert loader.last_transport == "shm"
+    with RemoteLoader(served.address) as loader:  # its first ring is refused: grpc from batch 0
+        rest = list(loader)
+        assert loader.last_transport == "grpc"
+    assert_same(first, expected(sizes)[:3])
+    assert_same(rest, expected(sizes))
+
+
+def test_broadcast_consumers_on_either_transport_get_the_same_batches(
+    serve_loaders: ServeLoaders,
+) -> None:
+    sizes = [150_000] * 10
+    served = serve_loaders(sizes_spec(sizes, sharing=["broadcast"]))
+    results: dict[str, list[Any]] = {}
+
+    def consume(transport: str, rank: int) -> None:
+        with RemoteLoader(
+            served.address, sharing="broadcast", rank=rank, world_size=3, transport=transport
+        ) as loader:
+            results[f"{transport}{rank}"] = list(loader)
+
+    threads = [
+        threading.Thread(target=consume, args=args)
+        for args in (("auto", 0), ("grpc", 1), ("auto", 2))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(results) == {"auto0", "grpc1", "auto2"}
+    for batches in results.values():
+        assert_same(batches, expected(sizes))
+
+
+def offer() -> tuple[shm.Probe, pb.StreamRequest]:
+    probe = shm.Probe()
+    request = pb.StreamRequest(shm=pb.ShmOffer(probe=probe.name, nonce=probe.nonce))
+    return probe, request
+
+
+def first_ring_frame(address: str, request: pb.StreamRequest) -> tuple[Any, pb.Frame]:
+    """Starts a raw Stream call and reads until its first batch frame, which names a ring."""
+    channel = grpc.insecure_channel(address)
+    call = channel.unary_stream(
+        wire.STREAM_METHOD,
+        request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.Frame.FromString,
+    )(request)
+    frame: pb.Frame = next(iter(call))
+    assert frame.HasField("shm"), frame
+    return (channel, call), frame
+
+
+def test_a_client_that_never_opens_its_ring_leaves_nothing_behind(
+    serve_loaders: ServeLoaders,
+) -> None:
+    served = serve_loaders(sizes_spec([400_000] * 40))
+    probe, request = offer()
+    (channel, call), frame = first_ring_frame(served.address, request)
+    assert frame.shm.ring in rings()
+    assert len(mapped_rings(os.getpid())) == 1  # the server's mapping (it runs in here)
+    call.cancel()  # the client goes away without ever opening the ring
+    channel.close()
+    assert wait_until(lambda: frame.shm.ring not in rings(), 2.0)
+    assert wait_until(lambda: not mapped_rings(os.getpid()), 2.0)
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_server_leaves_no_ring_behind() -> None:
+    proc, address = serve_process(
+        "--dataset",
+        "tests.datasets:Sizes",
+        "--dataset-kwargs",
+        '{"sizes": [400000, 400000, 400000, 400000, 400000, 400000, 400000, 400000]}',
+        "--batch-size",
+        "none",
+        "--num-workers",
+        "1",
+    )
+    try:
+        _, request = offer()
+        (channel, _call), frame = first_ring_frame(address, request)
+        assert frame.shm.ring in rings()  # named, and nobody but the server has opened it
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=10)
+        channel.close()
+        # The server's resource tracker outlives it and unlinks the name.
+        assert wait_until(lambda: frame.shm.ring not in rings(), 15.0), rings()
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+
+
+def test_a_killed_client_frees_its_ring_on_the_server(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(sizes_spec([400_000] * 200))
+    script = (
+        "import sys\n"
+        "from remote_loader.client import RemoteLoader\n"
+        "loader = RemoteLoader(sys.argv[1], prefetch=1)\n"
+        "for i, batch in enumerate(loader):\n"
+        "    print(loader.last_transport, flush=True)\n"
+        "    if i == 2:\n"
+        "        import time; time.sleep(60)\n"
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", script, served.address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert client.stdout is not None
+    assert [client.stdout.readline().strip() for _ in range(3)] == ["shm"] * 3
+    assert wait_until(lambda: len(mapped_rings(os.getpid())) == 1, 2.0)
+    client.kill()
+    client.communicate()
+    assert wait_until(lambda: not mapped_rings(os.getpid()), 3.0), mapped_rings(os.getpid())
+
+
+def test_max_ring_bytes_0_turns_shared_memory_off(serve_loaders: ServeLoaders) -> None:
+    sizes = [1000] * 4
+    served = serve_loaders(sizes_spec(sizes, 0), max_ring_bytes=0)
+    with RemoteLoader(served.address) as loader:
+        assert_same(list(loader), expected(sizes))
+        assert loader.last_transport == "grpc"
+
+
+def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: ServeLoaders) -> None:
+    # Every batch fits the ring at once: the server is done before the client has read the first
+    # frame, and must not take the ring's name away before the client has opened it.
+    sizes = [100_000] * 3
+    served = serve_loaders(sizes_spec(sizes, 0))
+    for _ in range(5):
+        with RemoteLoader(served.address, prefetch=1) as loader:
+            it = iter(loader)
+            time.sleep(0.3)  # the server has placed and sent everything by now
+            received = list(it)
+            assert loader.last_transport == "shm"
+        assert_same(received, expected(sizes))
