@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos import codec
@@ -32,6 +33,25 @@ SLOT_GRANULE = 1 << 20
 
 class BatchTooLargeError(ValueError):
     """An encoded batch is bigger than the server's max_batch_bytes."""
+
+
+def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
+    """torch's `collate_tensor_fn`, stacking into process memory instead of shared memory.
+
+    NOTE [ Collating in process memory ]
+
+    In a DataLoader worker (get_worker_info() is set) torch stacks a batch straight into a new
+    shared-memory tensor, so that the main process can map it without a copy. Here a batch never
+    leaves its worker as a tensor: it is encoded into one of the worker's reused slots. A fresh
+    shared-memory file per batch would only add its creation, page faults and zeroing: 6 ms
+    instead of 0.4 ms for a 9.6 MB batch on the benchmark machine, more than half of a local
+    DataLoader's time per batch. Values, dtype and shape are torch's; tensors torch refuses
+    (nested, sparse) still get torch's own error.
+    """
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return torch.stack(batch, 0)
 
 
 def check_batch_size(nbytes: int, limit: int) -> None:
@@ -263,6 +283,9 @@ def worker_loop(cfg: WorkerConfig) -> None:
     # Ctrl-C belongs to the server, which shuts the pool down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
+    # default_collate (and any collate_fn calling it) looks tensors up in this map, which is
+    # this process's own: NOTE [ Collating in process memory ].
+    torch_collate.default_collate_fn_map[torch.Tensor] = collate_tensors
     parent_pid = os.getppid()
     where = f"in DataLoader worker process {cfg.worker_id}"
     init_error: RemoteError | None = None

@@ -256,3 +256,9 @@ class Sizes(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((self.sizes[i],), i % 256, dtype=torch.uint8)
+
+
+def sharing_collate(samples: list[Any]) -> dict[str, Any]:
+    """default_collate, plus whether its tensor landed in shared memory (see server/worker.py)."""
+    batch = torch.utils.data.default_collate(samples)
+    return {"batch": batch, "shared": batch.is_shared()}

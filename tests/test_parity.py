@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 from remote_loader.client import RemoteLoader
 from remote_loader.server.service import build_hosts, create_server
 from remote_loader.server.spec import LoaderSpec, resolve
-from tests.conftest import assert_same
+from remote_loader.server.worker import collate_tensors
+from tests.conftest import ServeLoaders, assert_same
 
 SEED = 1234
 
@@ -170,3 +171,29 @@ def test_epochs_follow_each_other_and_set_epoch(address: str) -> None:
     orders = [torch.cat([b["index"] for b in batches]).tolist() for batches in epochs]
     assert orders[0] != orders[1] != orders[2]
     assert sorted(orders[0]) == sorted(orders[1]) == list(range(50))
+
+
+def test_workers_collate_into_process_memory(serve_loaders: ServeLoaders) -> None:
+    # NOTE [ Collating in process memory ]: the same values as torch, without the shared-memory
+    # file torch's collate makes per batch in a worker (the batch is encoded into a slot).
+    spec = LoaderSpec(
+        name="collate",
+        dataset="tests.datasets:Sizes",
+        dataset_kwargs={"sizes": [5] * 8},
+        batch_size=4,
+        num_workers=2,
+        collate_fn="tests.datasets:sharing_collate",
+    )
+    with RemoteLoader(serve_loaders(spec).address) as loader:
+        batches = list(loader)
+    assert [b["shared"] for b in batches] == [False, False]
+    expected = torch.stack([torch.full((5,), i, dtype=torch.uint8) for i in range(8)])
+    assert_same(torch.cat([b["batch"] for b in batches]), expected)
+
+
+def test_collate_tensors_keeps_torchs_errors() -> None:
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse tensors are not currently supported"):
+        collate_tensors([sparse, sparse])
+    pair = [torch.arange(3), torch.arange(3) + 3]
+    assert_same(collate_tensors(pair), torch.stack(pair))
