@@ -123,10 +123,13 @@ class Probe:
         self.name = PROBE_PREFIX + secrets.token_hex(16)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         try:
-            fd = os.open(_path(self.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            # Readable by all: a server running as another user must read it (the nonce proves
+            # only that the two share /dev/shm; it guards nothing).
+            fd = os.open(_path(self.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise ShmUnavailable(f"cannot create {_path(self.name)}: {exc}") from exc
         try:
+            os.fchmod(fd, 0o644)  # not narrowed by the umask
             os.write(fd, self.nonce)
         except OSError as exc:
             os.close(fd)
@@ -136,6 +139,16 @@ class Probe:
 
     def remove(self) -> None:
         _unlink(self.name)
+
+
+def can_share_with(uid: int) -> bool:
+    """Whether a ring this process makes (mode 0600) can be opened by a client running as `uid`.
+
+    Yes for the same user, for a root client, and for a root server (which gives the ring to
+    the client's user).
+    """
+    me = os.geteuid()
+    return uid in (me, 0) or me == 0
 
 
 def verify_probe(name: str, nonce: bytes) -> int | None:

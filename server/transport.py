@@ -26,8 +26,8 @@ def accept_offer(offer: pb.ShmOffer, max_ring_bytes: int) -> ShmSender | None:
     if not offer.probe or max_ring_bytes <= 0 or not shm.available():
         return None
     owner = shm.verify_probe(offer.probe, offer.nonce)
-    if owner is None:
-        return None
+    if owner is None or not shm.can_share_with(owner):
+        return None  # another host, or a user that could not open this server's rings
     return ShmSender(owner, max_ring_bytes)
 
 

@@ -391,3 +391,18 @@ def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: Se
             received = list(it)
             assert loader.last_transport == "shm"
         assert_same(received, expected(sizes))
+
+
+def test_the_server_shares_rings_only_with_a_user_that_can_open_them() -> None:
+    me = os.geteuid()
+    assert shm.can_share_with(me)
+    assert shm.can_share_with(0)  # a root client opens any ring
+    assert shm.can_share_with(me + 1) == (me == 0)  # a root server gives the ring away
+
+
+def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
+    probe = shm.Probe()
+    try:
+        assert os.stat(os.path.join(shm.SHM_DIR, probe.name)).st_mode & 0o777 == 0o644
+    finally:
+        probe.remove()
