@@ -412,6 +412,8 @@ class LoaderStats:
     elapsed_seconds: float = 0.0  # since the epoch's first next(); up to its end once it ended
     wait_fraction: float = 0.0  # wait_seconds / elapsed_seconds, in [0, 1]
     reconnects: int = 0  # broken streams resumed (see `retries`)
+    # How the latest batch came: "shm" (same host, shared memory), "grpc", or None before any.
+    transport: str | None = None
 
 
 class _EpochIterator(Iterator[Any]):
@@ -493,7 +495,11 @@ class _EpochIterator(Iterator[Any]):
 
     def stats(self) -> LoaderStats:
         if self._first_next is None:
-            return LoaderStats(epoch=self.epoch, reconnects=self._receiver.reconnects)
+            return LoaderStats(
+                epoch=self.epoch,
+                reconnects=self._receiver.reconnects,
+                transport=self._receiver.transport,
+            )
         elapsed = (self._ended_at or time.monotonic()) - self._first_next
         return LoaderStats(
             epoch=self.epoch,
@@ -503,6 +509,7 @@ class _EpochIterator(Iterator[Any]):
             elapsed_seconds=elapsed,
             wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
             reconnects=self._receiver.reconnects,
+            transport=self._receiver.transport,
         )
 
     def _get(self) -> Item:

@@ -199,6 +199,7 @@ def test_same_host_streams_go_through_shared_memory(
             assert loader.last_transport is None
             assert_same(list(loader), expected(sizes))
             assert loader.last_transport == way
+            assert loader.stats().transport == way
     assert not mapped_rings(os.getpid())  # both ends let go of every ring
 
 
