@@ -50,7 +50,10 @@ def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     """
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:
-        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        refused: torch.Tensor = torch_collate.collate_tensor_fn(
+            batch, collate_fn_map=collate_fn_map
+        )
+        return refused  # not reached for nested and sparse tensors: torch raises
     return torch.stack(batch, 0)
 
 
