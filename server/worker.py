@@ -50,10 +50,9 @@ def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     """
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:
-        refused: torch.Tensor = torch_collate.collate_tensor_fn(
-            batch, collate_fn_map=collate_fn_map
-        )
-        return refused  # not reached for nested and sparse tensors: torch raises
+        # torch raises for nested and sparse tensors, and handles any other layout its way.
+        theirs: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return theirs
     return torch.stack(batch, 0)
 
 
