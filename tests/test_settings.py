@@ -66,6 +66,7 @@ def test_metrics_address_and_max_batch_bytes() -> None:
             "metrics_address 0.0.0.0:50051 is the gRPC address too",
         ),
         ({"max_batch_bytes": 0}, {}, "max_batch_bytes must be at least 1 byte, got 0"),
+        ({"max_ring_bytes": -1}, {}, r"max_ring_bytes must be >= 0 bytes \(0: no shared memory\)"),
         (
             {},
             {"REMOTE_LOADER_MAX_BATCH_BYTES": "2GB"},
@@ -251,3 +252,16 @@ def test_check_config_shows_the_new_settings_but_not_the_token(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     assert "max_request_bytes 4096" in result.stdout and "reflection False" in result.stdout
     assert "token set" in result.stdout and TOKEN not in result.stdout + result.stderr
+
+
+def test_max_ring_bytes_from_file_environment_and_flag() -> None:
+    from remote_loader.server.cli import DEFAULTS, _parser
+
+    assert ServerSettings().max_ring_bytes == 256 << 20
+    table = {"max_ring_bytes": 1 << 20}
+    assert resolve_settings(table, {}).max_ring_bytes == 1 << 20
+    env = {"REMOTE_LOADER_MAX_RING_BYTES": "0"}
+    assert resolve_settings(table, env).max_ring_bytes == 0
+    args = _parser().parse_args(["serve", "--max-ring-bytes", "4096"])
+    flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
+    assert resolve_settings(table, env, flags).max_ring_bytes == 4096

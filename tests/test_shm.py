@@ -407,3 +407,26 @@ def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
         assert os.stat(os.path.join(shm.SHM_DIR, probe.name)).st_mode & 0o777 == 0o644
     finally:
         probe.remove()
+
+
+@pytest.mark.timeout(60)
+def test_serve_max_ring_bytes_0_streams_over_grpc() -> None:
+    proc, address = serve_process(
+        "--dataset",
+        "tests.datasets:Sizes",
+        "--dataset-kwargs",
+        '{"sizes": [1000, 1000]}',
+        "--batch-size",
+        "none",
+        "--num-workers",
+        "0",
+        "--max-ring-bytes",
+        "0",
+    )
+    try:
+        with RemoteLoader(address) as loader:
+            assert_same(list(loader), expected([1000, 1000]))
+            assert loader.last_transport == "grpc"
+    finally:
+        code, err = stop_process(proc)
+    assert code == 0, err
