@@ -39,6 +39,7 @@ def main() -> int:
                 seen.extend(indices.tolist())
                 print(json.dumps({"batch": batches}), flush=True)
             received.append(seen)
+        transport = loader.last_transport  # "shm" on the server's host, else "grpc"
     print(
         json.dumps(
             {
@@ -50,6 +51,7 @@ def main() -> int:
                 "dataset_length": int(loader.info.dataset_length),
                 "received": received,
                 "device": str(torch.device(loader.device)),
+                "transport": transport,
             }
         ),
         flush=True,

@@ -474,6 +474,7 @@ def _summary(
         print(
             f"  trainer {rank} (rank {rank} of {len(codes)}): {report['batches']} batches, "
             f"{report['samples']} samples, {report['bytes'] / 1e6:.1f} MB at {mbps:.1f} MB/s"
+            f" over {report.get('transport') or 'nothing'}"
         )
     if ok:
         ok = _check_partition([reports[r] for r in range(len(codes))], epochs)

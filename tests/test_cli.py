@@ -87,6 +87,7 @@ def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
     assert "demo passed" in result.stdout
     # The two trainers are the ranks of one job: each gets half of every epoch.
     assert result.stdout.count("8 batches, 256 samples") == 2
+    assert result.stdout.count("MB/s over shm") == 2  # one host: through shared memory
     assert (
         "epoch 0: 2 equal shares of 256 samples; together every one of the 512 samples, "
         "none twice: yes" in result.stdout
