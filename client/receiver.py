@@ -354,18 +354,13 @@ class Receiver(threading.Thread):
                     self._expected = expected
                     continue
                 assembly = _Assembly(meta, self._pin)
-                if meta.HasField("shm"):
-                    ready = self._from_ring(meta, assembly)
-                    assembly = None
-                    expected += 1
-                    if not self._put(ready):
-                        return Finished(expected)
-                    self._expected = expected
-                    continue
-            if not assembly.add(meta, data):
-                continue
-            self.transport = "grpc"
-            ready = self._decode(assembly)
+            if meta.HasField("shm"):
+                ready = self._from_ring(meta, assembly)
+            elif assembly.add(meta, data):
+                self.transport = "grpc"
+                ready = self._decode(assembly)
+            else:
+                continue  # more parts of this batch to come
             assembly = None
             expected += 1
             if not self._put(ready):

@@ -260,10 +260,6 @@ class RingWriter:
         self._written = end
         return pos, end
 
-    def drain(self, stopped: Callable[[], bool]) -> bool:
-        """Waits until the client has released every batch placed; False if stopped first."""
-        return self._wait(lambda: self.consumed() >= self._written, stopped, 50e-6)
-
     def attached(self) -> bool:
         return bool(self._mm[_ATTACHED_AT])
 

@@ -43,8 +43,7 @@ class ShmSender:
         self.owner_uid = owner_uid
         self.max_ring_bytes = max_ring_bytes
         self.ring: shm.RingWriter | None = None
-        self.rings_made = 0
-        self.disabled: str | None = None  # why this stream gave up on shared memory
+        self.disabled = False  # /dev/shm refused a ring: the rest of the stream goes as Frames
         self.batches = 0  # sent through shared memory
 
     def frame(
@@ -76,7 +75,7 @@ class ShmSender:
         )
 
     def _ring_for(self, nbytes: int, stopped: Callable[[], bool]) -> shm.RingWriter | None:
-        if self.disabled is not None:
+        if self.disabled:
             return None
         if self.ring is not None and nbytes <= self.ring.capacity:
             return self.ring
@@ -96,10 +95,9 @@ class ShmSender:
         try:
             self.ring = shm.RingWriter(capacity, self.owner_uid)
         except shm.ShmUnavailable as exc:
-            self.disabled = str(exc)
+            self.disabled = True
             log.warning("shared memory refused (%s): this stream continues over gRPC", exc)
             return None
-        self.rings_made += 1
         return self.ring
 
     def finish(self, stopped: Callable[[], bool]) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,16 @@ def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     return proc.returncode, err
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Polls `condition` every 20 ms for up to `seconds`; whether it became true."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def process_alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader
 from remote_loader.server.service import build_hosts, create_server
 from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import Served, serve_process, stop_process
+from tests.conftest import Served, serve_process, stop_process, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ServeMetered = Callable[..., Served]
@@ -82,15 +82,6 @@ def squares(name: str = "sq", n: int = 48, **options: Any) -> LoaderSpec:
     }
     values.update(options)
     return LoaderSpec(**values)
-
-
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -26,7 +26,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, wire
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process
+from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process, wait_until
 
 
 def rings() -> set[str]:
@@ -37,15 +37,6 @@ def mapped_rings(pid: int) -> list[str]:
     """The rings process `pid` still maps (named or unlinked)."""
     with open(f"/proc/{pid}/maps") as f:
         return [line for line in f if shm.RING_PREFIX in line]
-
-
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +119,7 @@ def test_batches_go_round_the_ring_and_wait_for_the_reader() -> None:
         assert len(received) == len(sent)
         for a, b in zip(sent, received, strict=True):
             np.testing.assert_array_equal(a, b)
-        assert writer.drain(lambda: False)
+        assert writer.consumed() == release  # the reader released every batch
     finally:
         reader.close()
         writer.close()

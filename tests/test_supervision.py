@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -22,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader, RequestError
 from remote_loader.server.pool import MAX_TASK_ATTEMPTS, WorkerPool
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ROOT, Served, ServeLoaders, process_alive, serve_process
+from tests.conftest import ROOT, Served, ServeLoaders, process_alive, serve_process, wait_until
 
 
 def slow(name: str = "slow", n: int = 40, seconds: float = 0.004, **options: Any) -> LoaderSpec:
@@ -40,15 +39,6 @@ def slow(name: str = "slow", n: int = 40, seconds: float = 0.004, **options: Any
 
 def values(batches: Any) -> list[int]:
     return [int(v) for batch in batches for v in batch]
-
-
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def persistent_pool(served: Served, name: str) -> WorkerPool:
