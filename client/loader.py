@@ -32,13 +32,13 @@ from remote_loader.client.receiver import (
 )
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import wire
+from remote_loader.protos import tcp, wire
 
 DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 5
 SHARING_MODES = ("partition", "broadcast", "dynamic")
-TRANSPORTS = ("auto", "grpc")
+TRANSPORTS = ("auto", "tcp", "grpc")
 STATE_VERSION = 1
 _STATE_KEYS = {
     "version": int,
@@ -86,8 +86,11 @@ class RemoteLoader:
             before the error reaches the training loop (0: never resume).
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
         transport: "auto" moves batches through shared memory when the server shares this
-            host's /dev/shm (the same machine, or containers sharing IPC), and over gRPC
-            otherwise; "grpc" always streams them over gRPC. See `last_transport`.
+            host's /dev/shm (the same machine, or containers sharing IPC), else on a data
+            connection beside the gRPC stream when the server offers one (a plain TCP socket:
+            none with TLS), else inside the gRPC stream; "tcp" skips shared memory; "grpc"
+            always streams them inside gRPC messages. Each falls back on its own, losing and
+            repeating nothing. See `last_transport`.
 
     Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
     """
@@ -427,12 +430,13 @@ class _EpochIterator(Iterator[Any]):
         self.finished = False  # the epoch's end was reached (StopIteration)
         what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
 
-        def open_stream(first: int, offer: pb.ShmOffer | None) -> Any:
+        def open_stream(first: int, offer: pb.ShmOffer | None, data_connection: bool) -> Any:
             again = pb.StreamRequest()
             again.CopyFrom(request)
             again.start = first
             if offer is not None:
                 again.shm.CopyFrom(offer)
+            again.tcp = data_connection
             return owner._stream(again, wait_for_ready=True)
 
         self._receiver = Receiver(
@@ -447,6 +451,12 @@ class _EpochIterator(Iterator[Any]):
             wait_ready=owner._wait_ready,
             connect_timeout=owner.connect_timeout,
             use_shm=owner.transport == "auto",
+            # A TLS client keeps its batches inside TLS (the data connection is plaintext).
+            tcp_host=(
+                tcp.target_host(owner.address)
+                if owner.transport != "grpc" and owner.tls is None
+                else None
+            ),
         )
         self._receiver.start()
         self.batches = start  # the epoch's position: batches yielded, including skipped ones

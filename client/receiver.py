@@ -1,7 +1,8 @@
 """The receiver stage: a thread that turns one epoch's Frames into ready batches.
 
 It copies each batch once, from the gRPC messages (or, on the same host, from the stream's
-shared-memory ring: NOTE [ Shared-memory transport ] in remote_loader.protos.shm) into (pinned)
+shared-memory ring: NOTE [ Shared-memory transport ] in remote_loader.protos.shm; or from the
+stream's data connection: NOTE [ TCP data connection ] in remote_loader.protos.tcp) into (pinned)
 host memory, starts the copy to the device on a side CUDA stream, and queues the batch for
 `RemoteLoader.__next__`. When the
 stream breaks (connection reset, server restart, UNAVAILABLE) it opens a new one from the next
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +31,7 @@ from remote_loader.client.errors import (
     RemoteLoaderError,
     map_rpc_error,
 )
-from remote_loader.protos import codec, shm, wire
+from remote_loader.protos import codec, shm, tcp, wire
 from remote_loader.protos import loader_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,23 @@ class _Assembly:
             )
         self.received = end
         self.next_part += 1
+        return self._complete()
+
+    def receive(self, read: Callable[[memoryview], bool]) -> bool:
+        """Reads the whole batch with `read(view)` (which fills `view` from the data
+        connection, False if stopped): header and padding, then the payload straight into
+        place. True when complete, False if stopped."""
+        if self.parts != 1 or self.next_part != 0:
+            raise ProtocolError(f"batch {self.batch}: a data-connection batch is one part")
+        head = bytearray(self.payload_start)
+        if not read(memoryview(head)) or not read(self._payload_np.data):
+            return False
+        self.header[:] = head[: self.header_nbytes]
+        self.received = self.total
+        self.next_part = 1
+        return self._complete()
+
+    def _complete(self) -> bool:
         if self.next_part == self.parts:
             if self.received != self.total:
                 raise ProtocolError(
@@ -138,11 +157,17 @@ class _ShmFailed(Exception):
     """The server offered a ring this process cannot use: continue without shared memory."""
 
 
+class _TcpFailed(Exception):
+    """The server offered a data connection this process cannot make: continue without."""
+
+
 class Receiver(threading.Thread):
     """Reads an epoch's Frames into `out_q`, a queue of `Item`s.
 
-    `open_stream(start, offer)` starts a Stream call from batch `start`, offering shared memory
-    when `offer` is not None (`use_shm`: try it; a stream that cannot use it goes on without).
+    `open_stream(start, offer, tcp)` starts a Stream call from batch `start`, offering shared
+    memory when `offer` is not None (`use_shm`: try it) and a data connection when `tcp` is true
+    (`tcp_host`: the host to connect to, None: never); a stream that cannot use one goes on
+    without.
     Queue protocol: one Ready or Failed(final=False) per batch, in epoch order from `start`,
     then exactly one Finished or Failed(final=True), unless `stop()` was called. `out_q` is
     bounded by the caller (its maxsize is the prefetch depth); puts wait for room, checking
@@ -155,7 +180,7 @@ class Receiver(threading.Thread):
 
     def __init__(
         self,
-        open_stream: Callable[[int, pb.ShmOffer | None], Any],
+        open_stream: Callable[[int, pb.ShmOffer | None, bool], Any],
         out_q: queue.Queue[Item],
         *,
         device: torch.device,
@@ -167,6 +192,7 @@ class Receiver(threading.Thread):
         wait_ready: Callable[[float], bool] = lambda timeout: True,
         connect_timeout: float = 10.0,
         use_shm: bool = False,
+        tcp_host: str | None = None,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
         self._open_stream = open_stream
@@ -181,9 +207,12 @@ class Receiver(threading.Thread):
         self._connect_timeout = connect_timeout
         self.reconnects = 0
         self._use_shm = use_shm and shm.available()
-        # How the last batch arrived: "shm" (the shared-memory ring) or "grpc" (data Frames).
+        self._tcp_host = tcp_host
+        # How the last batch arrived: "shm" (the shared-memory ring), "tcp" (the data
+        # connection) or "grpc" (data Frames).
         self.transport: str | None = None
         self._ring: shm.RingReader | None = None
+        self._data: socket.socket | None = None  # the current stream's data connection
         self._lock = threading.Lock()  # guards _call against stop() from another thread
         self._stopped = threading.Event()
         self._call: Any = None
@@ -216,7 +245,7 @@ class Receiver(threading.Thread):
                         probe.remove()
                     return
                 offer = None if probe is None else pb.ShmOffer(probe=probe.name, nonce=probe.nonce)
-                self._call = self._open_stream(self._expected, offer)
+                self._call = self._open_stream(self._expected, offer, self._tcp_host is not None)
             before = self._expected
             try:
                 final = self._receive(iter(self._call), probe)
@@ -227,7 +256,18 @@ class Receiver(threading.Thread):
                 self._call.cancel()
                 self._use_shm = False
                 continue
+            except _TcpFailed as exc:
+                log.warning(
+                    "%s: %s; continuing inside the gRPC stream from batch %d",
+                    self._what,
+                    exc,
+                    self._expected,
+                )
+                self._call.cancel()
+                self._tcp_host = None
+                continue
             except _Broken as exc:
+                self._call.cancel()  # a broken data connection leaves the call running
                 if self._stopped.is_set():
                     return
                 # This break counts; batches since the last one reset the count.
@@ -315,6 +355,9 @@ class Receiver(threading.Thread):
             if self._ring is not None:  # each stream has its own ring
                 self._ring.close()
                 self._ring = None
+            if self._data is not None:  # and its own data connection
+                self._data.close()
+                self._data = None
 
     def _read(self, frames: Iterator[bytes], probe: shm.Probe | None) -> Item:
         expected = self._expected
@@ -331,6 +374,9 @@ class Receiver(threading.Thread):
             if finished is not None:
                 raise ProtocolError(f"{self._what}: a frame arrived after the end of the stream")
             if assembly is None:
+                if meta.HasField("tcp_channel"):
+                    self._connect(meta.tcp_channel, expected)
+                    continue
                 if meta.HasField("end"):
                     if meta.end.batches != expected:
                         raise ProtocolError(
@@ -356,6 +402,11 @@ class Receiver(threading.Thread):
                 assembly = _Assembly(meta, self._pin)
             if meta.HasField("shm"):
                 ready = self._from_ring(meta, assembly)
+            elif meta.on_tcp:
+                received = self._from_socket(assembly)
+                if received is None:
+                    return Finished(expected)  # stopped
+                ready = received
             elif assembly.add(meta, data):
                 self.transport = "grpc"
                 ready = self._decode(assembly)
@@ -372,6 +423,35 @@ class Receiver(threading.Thread):
             f"{self._what}: the stream ended after {expected} batches "
             "without the server's end-of-stream frame"
         )
+
+    def _connect(self, channel: Any, expected: int) -> None:
+        """Opens the data connection the stream's first Frame announced."""
+        if self._data is not None or expected != self._expected:
+            raise ProtocolError(f"{self._what}: a data connection announced mid-stream")
+        if self._tcp_host is None:
+            raise ProtocolError(f"{self._what}: a data connection this client did not ask for")
+        try:
+            self._data = tcp.connect(self._tcp_host, channel.port, channel.ticket)
+        except (tcp.DataConnectionError, ValueError) as exc:
+            raise _TcpFailed(str(exc)) from exc
+
+    def _from_socket(self, assembly: _Assembly) -> Ready | None:
+        """Reads a batch from the data connection into `assembly`; None if stopped."""
+        sock = self._data
+        if sock is None:
+            raise ProtocolError(
+                f"{self._what}: batch {assembly.batch} is on a data connection that was never made"
+            )
+        try:
+            complete = assembly.receive(
+                lambda view: tcp.recv_into(sock, view, self._stopped.is_set)
+            )
+        except tcp.DataConnectionError as exc:
+            raise ConnectionLostError(f"{self._what}: batch {assembly.batch}: {exc}") from exc
+        if not complete:
+            return None
+        self.transport = "tcp"
+        return self._decode(assembly)
 
     def _from_ring(self, meta: Any, assembly: _Assembly) -> Ready:
         """Copies a batch out of the stream's ring into `assembly`, hands its space back."""

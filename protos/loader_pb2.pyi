@@ -70,7 +70,7 @@ class LoaderInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StreamRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -85,7 +86,8 @@ class StreamRequest(_message.Message):
     start: int
     fingerprint: str
     shm: ShmOffer
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
+    tcp: bool
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
     __slots__ = ("probe", "nonce")
@@ -94,6 +96,14 @@ class ShmOffer(_message.Message):
     probe: str
     nonce: bytes
     def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class TcpChannel(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ShmBatch(_message.Message):
     __slots__ = ("ring", "ring_bytes", "offset", "release")
@@ -126,7 +136,7 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "data")
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "data")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +145,8 @@ class Frame(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    TCP_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    ON_TCP_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     batch: int
     part: int
@@ -144,8 +156,10 @@ class Frame(_message.Message):
     error: RemoteError
     end: StreamEnd
     shm: ShmBatch
+    tcp_channel: TcpChannel
+    on_tcp: bool
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")

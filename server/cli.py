@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         f"memory (default {DEFAULTS.max_ring_bytes})",
     )
     serve.add_argument(
+        "--data-address",
+        help="HOST:PORT for clients' data connections (batch bytes beside the gRPC stream), "
+        '"auto" (the --address host, a free port; none with TLS) or "off" '
+        f"(default {DEFAULTS.data_address})",
+    )
+    serve.add_argument(
         "--max-request-bytes",
         type=int,
         help=f"largest request message in bytes (default {DEFAULTS.max_request_bytes})",
@@ -202,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_address=settings.metrics_address,
             max_batch_bytes=settings.max_batch_bytes,
             max_ring_bytes=settings.max_ring_bytes,
+            data_address=settings.data_address,
             max_request_bytes=settings.max_request_bytes,
             keepalive_time_ms=settings.keepalive_time_ms,
             keepalive_timeout_ms=settings.keepalive_timeout_ms,

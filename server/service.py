@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, wire
+from remote_loader.protos import shm, tcp, wire
 from remote_loader.server.auth import ServerTLS, TokenInterceptor
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.metrics import MetricsServer
@@ -41,7 +41,13 @@ from remote_loader.server.sharing import (
     SharingError,
 )
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.transport import StreamStopped, accept_offer
+from remote_loader.server.transport import (
+    DataConnectionLost,
+    DataListener,
+    StreamStopped,
+    TcpSender,
+    accept_offer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,7 @@ class LoaderService:
         chunk_size: int,
         max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
         max_streams: int = DEFAULT_MAX_STREAMS,
+        listener: DataListener | None = None,
     ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
@@ -105,6 +112,8 @@ class LoaderService:
         self.chunk_size = chunk_size
         # Each stream's shared-memory ring is at most this big (0: never use shared memory).
         self.max_ring_bytes = max_ring_bytes
+        # Accepts streams' data connections (NOTE [ TCP data connection ]); None: off.
+        self.listener = listener
         # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
         self.draining = False
         # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED (health and
@@ -258,9 +267,32 @@ class LoaderService:
         transport = "shm" if sender is not None else "grpc"
         if request.HasField("shm") and sender is None:
             transport += " (shm offered, declined)"
+        ticket = None
+        if sender is None and request.tcp and self.listener is not None:
+            ticket = self.listener.expect()
+            transport = "tcp"
         log.info("stream start %s %s", who, logfmt(transport=transport))
         consumer = None
+        tcp_sender: TcpSender | None = None
         try:
+            if ticket is not None:
+                assert self.listener is not None
+                yield wire.control_frame(
+                    pb.Frame(tcp_channel=pb.TcpChannel(port=self.listener.port, ticket=ticket))
+                )
+                sock = self.listener.wait(ticket, cancelled.is_set)
+                if cancelled.is_set():
+                    if sock is not None:
+                        sock.close()
+                    return  # the client went, or cancelled to go on without a data connection
+                if sock is None:
+                    log.warning(
+                        "stream %s: no data connection within %g s; sending Frames",
+                        who,
+                        tcp.ACCEPT_TIMEOUT,
+                    )
+                else:
+                    tcp_sender = TcpSender(sock)
             consumer = host.attach(membership, seed, request.epoch, start)
             # Detach at once when the client goes, even if this thread is stuck sending.
             context.add_callback(consumer.close)
@@ -294,6 +326,11 @@ class LoaderService:
                         )
                     ):
                         yield frame
+                        nbytes += entry.nbytes
+                    elif tcp_sender is not None:
+                        view = entry.blob() if shared_frames else _blob(entry)
+                        yield tcp_sender.frame(batches, view, entry.delivery.header_nbytes)
+                        tcp_sender.send(view, stopped)
                         nbytes += entry.nbytes
                     elif shared_frames:
                         frames = entry.frames(batches, self.chunk_size)
@@ -334,6 +371,11 @@ class LoaderService:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except DetachedError as exc:
             _abort(context, grpc.StatusCode.ABORTED, str(exc))
+        except DataConnectionLost as exc:
+            if cancelled.is_set():
+                return
+            # The client resumes from the batch it did not get whole (client/receiver.py).
+            _abort(context, grpc.StatusCode.UNAVAILABLE, f"the data connection broke: {exc}")
         except Exception as exc:
             if cancelled.is_set():
                 return
@@ -349,6 +391,8 @@ class LoaderService:
                 consumer.close()
             if sender is not None:
                 sender.close()
+            if tcp_sender is not None:
+                tcp_sender.close()
             outcome = _outcome(context, cancelled.is_set() and not completed, completed)
             log.log(
                 logging.WARNING if "status" in outcome else logging.INFO,
@@ -358,6 +402,7 @@ class LoaderService:
                     batches=batches - start,
                     bytes=nbytes,
                     shm_batches=sender.batches if sender is not None else 0,
+                    tcp_batches=tcp_sender.batches if tcp_sender is not None else 0,
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
@@ -425,6 +470,11 @@ class LoaderServer:
     def metrics_port(self) -> int | None:
         return self.metrics.port if self.metrics is not None else None
 
+    @property
+    def data_port(self) -> int | None:
+        """The port of the data listener (NOTE [ TCP data connection ]); None when off."""
+        return self.service.listener.port if self.service.listener is not None else None
+
     def start(self) -> None:
         self.grpc_server.start()
         if self.metrics is not None:
@@ -444,6 +494,8 @@ class LoaderServer:
         # A stream whose handler has returned still has its status to send: give calls the
         # rest of the grace (up to a second when none is left) rather than cancel them at once.
         self.grpc_server.stop(max(deadline - time.monotonic(), min(grace, 1.0))).wait()
+        if self.service.listener is not None:
+            self.service.listener.close()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -463,13 +515,18 @@ def create_server(
     tls: ServerTLS | None = None,
     reflection: bool = False,
     metrics_address: str | None = None,
+    data_address: str = "auto",
 ) -> LoaderServer:
     """A server for `hosts`, bound to `address` (port 0: a free one) but not started.
 
     With `token`, every call but health checks must carry `authorization: Bearer <token>`
     (server/auth.py); with `tls`, the port speaks TLS only (mTLS when it has a client CA).
+    `data_address` is where clients on other hosts open their data connections (NOTE [ TCP
+    data connection ]): "auto" is `address`'s host on a free port, "off" (or "") none; a server
+    with `tls` has none unless told otherwise, which is an error (the connection is plaintext).
     The keyword arguments are the [server] settings of the same names (server/settings.py).
     """
+    listen_data = resolve_data_address(data_address, address, tls is not None)
     service = LoaderService(hosts, chunk_size, max_ring_bytes, max_streams=max_streams)
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
@@ -536,7 +593,31 @@ def create_server(
     metrics = None
     if metrics_address:
         metrics = MetricsServer(metrics_address, [host.metrics for host in hosts.values()])
+    if listen_data is not None:
+        try:
+            service.listener = DataListener(listen_data)
+        except OSError:
+            if metrics is not None:
+                metrics.close()
+            raise
     return LoaderServer(server, port, service, health_servicer, metrics)
+
+
+def resolve_data_address(data_address: str, address: str, tls: bool) -> str | None:
+    """HOST:PORT for the data listener, or None for none (see create_server)."""
+    if data_address in ("", "off"):
+        return None
+    if data_address == "auto":
+        if tls:
+            return None  # the batches stay inside TLS, over gRPC
+        host, _, _ = address.rpartition(":")
+        return f"{host}:0"
+    if tls:
+        raise ValueError(
+            f"data_address {data_address} is plaintext, and this server serves TLS: leave "
+            'data_address "auto" (no data connections with TLS) or set it "off"'
+        )
+    return data_address
 
 
 def build_hosts(
@@ -598,6 +679,8 @@ def serve(
         print(f"remote-loader: serving {names} on port {server.port}", flush=True)
         if server.metrics is not None:
             log.info("metrics (Prometheus) on port %d", server.metrics.port)
+        if server.data_port is not None:
+            log.info("data connections (NOTE [ TCP data connection ]) on port %d", server.data_port)
         if ready is not None:
             ready.set()
         stop.wait()

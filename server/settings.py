@@ -55,6 +55,10 @@ class ServerSettings:
     # Largest shared-memory ring of one same-host stream, in bytes (protos/shm.py); a batch
     # bigger than it goes as gRPC frames; 0 turns the shared-memory transport off.
     max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES
+    # Where clients on other hosts open their data connections (NOTE [ TCP data connection ] in
+    # protos/tcp.py): "auto", the address's host on a free port (no data connections with TLS);
+    # HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside gRPC.
+    data_address: str = "auto"
     # Largest request message in bytes (grpc.max_receive_message_length).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # Keepalive, see protos/wire.py: the server pings a connection silent for keepalive_time_ms
@@ -112,6 +116,18 @@ class ServerSettings:
                     f"server metrics_address {self.metrics_address} is the gRPC address too: "
                     "give the metrics endpoint a port of its own"
                 )
+        if self.data_address not in ("auto", "off"):
+            host, sep, port = self.data_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(
+                    'server data_address must be "auto", "off" or HOST:PORT (port 0 '
+                    f"picks a free one), got {self.data_address!r}"
+                )
+            if self.data_address in (self.address, self.metrics_address) and int(port) != 0:
+                raise ConfigError(
+                    f"server data_address {self.data_address} is taken by the gRPC or metrics "
+                    "address: give data connections a port of their own"
+                )
         if self.max_batch_bytes < 1:
             raise ConfigError(
                 f"server max_batch_bytes must be at least 1 byte, got {self.max_batch_bytes}"
@@ -150,6 +166,12 @@ class ServerSettings:
             )
         if self.token is not None:
             check_token(self.token, f"environment variable {ENV_PREFIX}TOKEN")
+        if self.data_address not in ("auto", "off") and self.tls_cert is not None:
+            raise ConfigError(
+                f"server data_address {self.data_address} would carry batches in plaintext "
+                'beside a TLS server: leave data_address "auto" (no data connections with '
+                'TLS) or set it "off"'
+            )
         self.auth_token()
         self.server_tls()
 
@@ -178,6 +200,7 @@ _TYPES: dict[str, type] = {
     "metrics_address": str,
     "max_batch_bytes": int,
     "max_ring_bytes": int,
+    "data_address": str,
     "max_request_bytes": int,
     "keepalive_time_ms": int,
     "keepalive_timeout_ms": int,

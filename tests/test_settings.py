@@ -67,6 +67,18 @@ def test_metrics_address_and_max_batch_bytes() -> None:
         ),
         ({"max_batch_bytes": 0}, {}, "max_batch_bytes must be at least 1 byte, got 0"),
         ({"max_ring_bytes": -1}, {}, r"max_ring_bytes must be >= 0 bytes \(0: no shared memory\)"),
+        ({"data_address": "50052"}, {}, 'data_address must be "auto", "off" or HOST:PORT'),
+        ({}, {"REMOTE_LOADER_DATA_ADDRESS": "on"}, 'data_address must be "auto", "off"'),
+        (
+            {"address": "0.0.0.0:50051", "data_address": "0.0.0.0:50051"},
+            {},
+            "data_address 0.0.0.0:50051 is taken by the gRPC or metrics address",
+        ),
+        (
+            {"data_address": "0.0.0.0:50052", "tls_cert": "/no/cert.pem", "tls_key": "/no/key"},
+            {},
+            "data_address 0.0.0.0:50052 would carry batches in plaintext beside a TLS server",
+        ),
         (
             {},
             {"REMOTE_LOADER_MAX_BATCH_BYTES": "2GB"},
@@ -265,3 +277,16 @@ def test_max_ring_bytes_from_file_environment_and_flag() -> None:
     args = _parser().parse_args(["serve", "--max-ring-bytes", "4096"])
     flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
     assert resolve_settings(table, env, flags).max_ring_bytes == 4096
+
+
+def test_data_address_from_file_environment_and_flag() -> None:
+    from remote_loader.server.cli import DEFAULTS, _parser
+
+    assert ServerSettings().data_address == "auto"
+    table = {"data_address": "0.0.0.0:50052"}
+    assert resolve_settings(table, {}).data_address == "0.0.0.0:50052"
+    env = {"REMOTE_LOADER_DATA_ADDRESS": "off"}
+    assert resolve_settings(table, env).data_address == "off"
+    args = _parser().parse_args(["serve", "--data-address", "127.0.0.1:0"])
+    flags = {key: getattr(args, key, None) for key in vars(DEFAULTS)}
+    assert resolve_settings(table, env, flags).data_address == "127.0.0.1:0"

@@ -245,9 +245,9 @@ def test_a_ring_the_client_cannot_open_falls_back_without_losing_a_batch(
         it = iter(loader)
         first = [next(it) for _ in range(3)]
         assert loader.last_transport == "shm"
-    with RemoteLoader(served.address) as loader:  # its first ring is refused: grpc from batch 0
-        rest = list(loader)
-        assert loader.last_transport == "grpc"
+    with RemoteLoader(served.address) as loader:  # its first ring is refused: from batch 0 on
+        rest = list(loader)  # the data connection, the next transport "auto" tries
+        assert loader.last_transport == "tcp"
     assert_same(first, expected(sizes)[:3])
     assert_same(rest, expected(sizes))
 
@@ -368,7 +368,7 @@ def test_max_ring_bytes_0_turns_shared_memory_off(serve_loaders: ServeLoaders) -
     served = serve_loaders(sizes_spec(sizes, 0), max_ring_bytes=0)
     with RemoteLoader(served.address) as loader:
         assert_same(list(loader), expected(sizes))
-        assert loader.last_transport == "grpc"
+        assert loader.last_transport == "tcp"  # the next transport "auto" tries
 
 
 def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: ServeLoaders) -> None:
@@ -401,7 +401,7 @@ def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_serve_max_ring_bytes_0_streams_over_grpc() -> None:
+def test_serve_max_ring_bytes_0_streams_without_shared_memory() -> None:
     proc, address = serve_process(
         "--dataset",
         "tests.datasets:Sizes",
@@ -417,7 +417,7 @@ def test_serve_max_ring_bytes_0_streams_over_grpc() -> None:
     try:
         with RemoteLoader(address) as loader:
             assert_same(list(loader), expected([1000, 1000]))
-            assert loader.last_transport == "grpc"
+            assert loader.last_transport == "tcp"  # the next transport "auto" tries
     finally:
         code, err = stop_process(proc)
     assert code == 0, err

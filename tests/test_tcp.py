@@ -1,0 +1,328 @@
+"""The TCP data connection (NOTE [ TCP data connection ] in protos/tcp.py).
+
+Real servers on port 0: the negotiation and its fallbacks (a server without a listener, a client
+that cannot connect, one that never connects), a connection that breaks mid-epoch (resumed, no
+batch lost or repeated), the listener's guard against stray connections, and a killed client.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from remote_loader.client import RemoteLoader
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import tcp, wire
+from remote_loader.server.service import resolve_data_address
+from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process, wait_until
+from tests.test_shm import expected, sizes_spec
+
+SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
+
+
+@pytest.mark.parametrize(
+    ("target", "host"),
+    [
+        ("127.0.0.1:50051", "127.0.0.1"),
+        ("localhost:1", "localhost"),
+        ("loader:50051", "loader"),
+        ("[::1]:5", "::1"),
+        ("dns:///loader:50051", "loader"),
+        ("dns:loader:50051", "loader"),
+        ("ipv4:10.0.0.1:5", "10.0.0.1"),
+        ("ipv6:[::1]:5", "::1"),
+        ("unix:/tmp/loader.sock", None),
+        ("unix-abstract:loader", None),
+        ("dns://8.8.8.8/loader:1", None),
+        ("ipv4:10.0.0.1:5,10.0.0.2:5", None),
+        ("loader", None),
+        ("[::1:5", None),
+    ],
+)
+def test_the_data_connection_goes_to_the_host_of_the_grpc_target(
+    target: str, host: str | None
+) -> None:
+    assert tcp.target_host(target) == host
+
+
+def test_a_tls_server_keeps_its_batches_inside_tls() -> None:
+    assert resolve_data_address("auto", "0.0.0.0:50051", tls=False) == "0.0.0.0:0"
+    assert resolve_data_address("auto", "[::]:50051", tls=False) == "[::]:0"
+    assert resolve_data_address("auto", "0.0.0.0:50051", tls=True) is None
+    assert resolve_data_address("off", "0.0.0.0:50051", tls=False) is None
+    assert resolve_data_address("10.0.0.1:7", "0.0.0.0:50051", tls=False) == "10.0.0.1:7"
+    with pytest.raises(ValueError, match="plaintext, and this server serves TLS"):
+        resolve_data_address("0.0.0.0:50052", "0.0.0.0:50051", tls=True)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_arrive_exactly_on_the_data_connection(
+    serve_loaders: ServeLoaders, num_workers: int
+) -> None:
+    served = serve_loaders(sizes_spec(SIZES, num_workers))
+    assert served.server.data_port is not None
+    with RemoteLoader(served.address, transport="tcp") as loader:
+        for _ in range(2):  # a new stream, and a new connection, per epoch
+            assert_same(list(loader), expected(SIZES))
+            assert loader.last_transport == "tcp"
+            assert loader.stats().transport == "tcp"
+    # "auto" on one host takes shared memory first, and the data connection when it cannot.
+    served = serve_loaders(sizes_spec(SIZES, num_workers), max_ring_bytes=0)
+    with RemoteLoader(served.address) as loader:
+        assert_same(list(loader), expected(SIZES))
+        assert loader.last_transport == "tcp"
+
+
+def test_a_server_with_its_listener_off_streams_inside_grpc(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(sizes_spec(SIZES), data_address="off")
+    assert served.server.data_port is None
+    with RemoteLoader(served.address, transport="tcp") as loader:
+        assert_same(list(loader), expected(SIZES))
+        assert loader.last_transport == "grpc"
+
+
+def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The listener is on 127.0.0.2, the client reaches gRPC at 127.0.0.1: its connect is
+    # refused, as behind a firewall that lets only the gRPC port through.
+    served = serve_loaders(sizes_spec(SIZES), data_address="127.0.0.2:0")
+    with RemoteLoader(served.address, transport="tcp") as loader:
+        started = time.monotonic()
+        assert_same(list(loader), expected(SIZES))
+        elapsed = time.monotonic() - started
+        assert loader.last_transport == "grpc"
+        assert loader.stats().reconnects == 0  # falling back is not a failure
+    # The client cancelled and went on: the server did not wait out its ACCEPT_TIMEOUT.
+    assert elapsed < tcp.ACCEPT_TIMEOUT / 2, elapsed
+    assert "continuing inside the gRPC stream from batch 0" in caplog.text
+
+
+def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(address)
+    call = channel.unary_stream(
+        wire.STREAM_METHOD,
+        request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.Frame.FromString,
+    )(request)
+    return channel, call
+
+
+def test_a_client_that_never_connects_gets_frames_after_the_accept_timeout(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp, "ACCEPT_TIMEOUT", 0.5)
+    served = serve_loaders(sizes_spec([1000, 2000]))
+    channel, call = raw_stream(served.address, pb.StreamRequest(tcp=True))
+    with channel:
+        frames = list(call)
+    assert frames[0].HasField("tcp_channel") and len(frames[0].tcp_channel.ticket) == 32
+    assert [(f.batch, f.on_tcp, len(f.data)) for f in frames[1:-1]] == [
+        (0, False, frames[1].total_bytes),
+        (1, False, frames[2].total_bytes),
+    ]
+    assert frames[-1].end.batches == 2
+
+
+def test_a_ticket_opens_one_connection_and_nothing_else_does(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(sizes_spec([1000, 2000]))
+    port = served.server.data_port
+    assert port is not None
+
+    def answer(hello: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(hello)
+            try:
+                return sock.recv(1)  # b"": closed without a word
+            except ConnectionResetError:  # closed with bytes it did not read: also no word
+                return b""
+
+    assert answer(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 16) == b""
+    assert answer(tcp.hello(tcp.new_ticket())) == b""  # a ticket no stream gave out
+    channel, call = raw_stream(served.address, pb.StreamRequest(tcp=True))
+    with channel:
+        frames = iter(call)
+        ticket = next(frames).tcp_channel.ticket
+        sock = tcp.connect("127.0.0.1", port, ticket)
+        with sock:
+            assert answer(tcp.hello(ticket)) == b""  # used once
+            first = next(frames)
+            assert first.on_tcp and first.batch == 0 and not first.data
+            data = bytearray(first.total_bytes)
+            assert tcp.recv_into(sock, memoryview(data), lambda: False)
+            call.cancel()
+
+
+def test_stray_connections_neither_block_streams_nor_pile_up(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp, "MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    served = serve_loaders(sizes_spec(SIZES))
+    port = served.server.data_port
+    assert port is not None
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    # Over MAX_HANDSHAKES the oldest silent one is evicted (closed: recv gives b"").
+    assert silent[0].recv(1) == b""
+    # So silent connections cannot crowd out a real client, who says HELLO at once.
+    with RemoteLoader(served.address, transport="tcp") as loader:
+        assert_same(list(loader), expected(SIZES))
+        assert loader.last_transport == "tcp"
+    started = time.monotonic()
+    for sock in silent[1:]:
+        assert sock.recv(1) == b""  # evicted, or closed after HANDSHAKE_TIMEOUT
+    assert time.monotonic() - started < 3
+    for sock in silent:
+        sock.close()
+
+
+def test_a_data_connection_that_breaks_mid_epoch_is_resumed_exactly(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_loaders(sizes_spec(SIZES))
+    real: Callable[..., bool] = tcp.recv_into
+    reads = 0
+
+    def cut_once(sock: socket.socket, out: memoryview, *args: Any) -> bool:
+        nonlocal reads
+        reads += 1
+        if reads == 5:  # batch 2's header: the socket really breaks under the reader
+            sock.shutdown(socket.SHUT_RDWR)
+        return real(sock, out, *args)
+
+    monkeypatch.setattr(tcp, "recv_into", cut_once)  # the module the receiver calls through
+    with RemoteLoader(served.address, transport="tcp", backoff=0.05) as loader:
+        assert_same(list(loader), expected(SIZES))
+        assert loader.stats().reconnects == 1
+        assert loader.last_transport == "tcp"
+    # The server's side of it ended too: no stream is left running.
+    assert wait_until(lambda: served.server.service._streams == 0, 5)
+
+
+def test_broadcast_consumers_on_every_transport_get_the_same_batches(
+    serve_loaders: ServeLoaders,
+) -> None:
+    sizes = [150_000] * 10
+    served = serve_loaders(sizes_spec(sizes, sharing=["broadcast"]))
+    results: dict[str, list[Any]] = {}
+    transports: dict[str, str | None] = {}
+
+    def consume(transport: str, rank: int) -> None:
+        with RemoteLoader(
+            served.address, sharing="broadcast", rank=rank, world_size=3, transport=transport
+        ) as loader:
+            results[transport] = list(loader)
+            transports[transport] = loader.last_transport
+
+    threads = [
+        threading.Thread(target=consume, args=args)
+        for args in (("auto", 0), ("tcp", 1), ("grpc", 2))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert transports == {"auto": "shm", "tcp": "tcp", "grpc": "grpc"}
+    for batches in results.values():
+        assert_same(batches, expected(sizes))
+
+
+def test_a_killed_client_ends_its_stream_on_the_server(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(sizes_spec([4_000_000] * 100, prefetch_factor=2))
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from remote_loader.client import RemoteLoader\n"
+            f"loader = RemoteLoader({served.address!r}, transport='tcp', prefetch=1)\n"
+            "for i, batch in enumerate(loader):\n"
+            "    if i == 2:\n"
+            "        print(loader.last_transport, flush=True)\n"
+            "    time.sleep(0.05)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        assert client.stdout.readline().strip() == "tcp"
+        assert served.server.service._streams == 1
+        client.kill()
+        client.wait(10)
+        # The server's send fails (the socket is reset) or the call is cancelled, whichever is
+        # first: either way the stream ends and gives its workers back.
+        assert wait_until(lambda: served.server.service._streams == 0, 5)
+    finally:
+        client.kill()
+        client.wait(10)
+        if client.stdout is not None:
+            client.stdout.close()
+    with RemoteLoader(served.address, transport="tcp") as loader:
+        assert sum(1 for _ in loader) == 100  # the loader still serves
+
+
+def test_serve_data_address_flag() -> None:
+    args = [
+        "--dataset",
+        "tests.datasets:Sizes",
+        "--dataset-kwargs",
+        '{"sizes": [1000, 1000]}',
+        "--batch-size",
+        "none",
+        "--num-workers",
+        "0",
+    ]
+    for flag, way in (("127.0.0.1:0", "tcp"), ("off", "grpc")):
+        proc, address = serve_process(*args, "--data-address", flag)
+        try:
+            with RemoteLoader(address, transport="tcp") as loader:
+                assert_same(list(loader), expected([1000, 1000]))
+                assert loader.last_transport == way
+        finally:
+            code, err = stop_process(proc)
+        assert code == 0, err
+
+
+def test_recv_into_says_what_broke() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(tcp.POLL_INTERVAL)
+        right.sendall(b"abc")
+        right.shutdown(socket.SHUT_WR)
+        out = bytearray(10)
+        with pytest.raises(tcp.DataConnectionError, match=r"closed the data connection \(3 of 10"):
+            tcp.recv_into(left, memoryview(out), lambda: False)
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(tcp.POLL_INTERVAL)
+        with pytest.raises(tcp.DataConnectionError, match=r"sent nothing for 0\.3 s"):
+            tcp.recv_into(left, memoryview(bytearray(4)), lambda: False, stall_timeout=0.3)
+        stop = threading.Event()
+        threading.Timer(0.2, stop.set).start()
+        assert not tcp.recv_into(left, memoryview(bytearray(4)), stop.is_set)
+
+
+def test_send_stops_when_asked_while_the_reader_does_not_read() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(tcp.POLL_INTERVAL)
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        big = torch.zeros(64 << 20, dtype=torch.uint8).numpy().data
+        started = time.monotonic()
+        assert not tcp.send(left, big, stop.is_set)  # the buffers fill; stop() ends the wait
+        assert time.monotonic() - started < 2
+        right.close()
+        with pytest.raises(OSError):
+            tcp.send(left, big, lambda: False)
