@@ -148,6 +148,9 @@ class RemoteLoader:
         self._epoch = 0
         self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
         self._iterator: _EpochIterator | None = None
+        # A data connection could not be made: later epochs do not try again (a firewall that
+        # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
+        self._no_data_connection = False
         self._closed = False
         self.tls = resolve_tls(tls)
         self._channel = open_channel(
@@ -198,6 +201,9 @@ class RemoteLoader:
         return pb.Consumer(
             sharing=self.sharing, job=self.job, rank=self.rank, world_size=self.world_size
         )
+
+    def _data_connection_failed(self) -> None:
+        self._no_data_connection = True
 
     def _wait_ready(self, timeout: float) -> bool:
         """Waits up to `timeout` s for the channel to connect; False if it did not."""
@@ -454,9 +460,10 @@ class _EpochIterator(Iterator[Any]):
             # A TLS client keeps its batches inside TLS (the data connection is plaintext).
             tcp_host=(
                 tcp.target_host(owner.address)
-                if owner.transport != "grpc" and owner.tls is None
+                if owner.transport != "grpc" and owner.tls is None and not owner._no_data_connection
                 else None
             ),
+            on_tcp_failed=owner._data_connection_failed,
         )
         self._receiver.start()
         self.batches = start  # the epoch's position: batches yielded, including skipped ones

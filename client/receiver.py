@@ -193,6 +193,7 @@ class Receiver(threading.Thread):
         connect_timeout: float = 10.0,
         use_shm: bool = False,
         tcp_host: str | None = None,
+        on_tcp_failed: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
         self._open_stream = open_stream
@@ -208,6 +209,7 @@ class Receiver(threading.Thread):
         self.reconnects = 0
         self._use_shm = use_shm and shm.available()
         self._tcp_host = tcp_host
+        self._on_tcp_failed = on_tcp_failed  # the owner stops asking in later epochs
         # How the last batch arrived: "shm" (the shared-memory ring), "tcp" (the data
         # connection) or "grpc" (data Frames).
         self.transport: str | None = None
@@ -265,6 +267,7 @@ class Receiver(threading.Thread):
                 )
                 self._call.cancel()
                 self._tcp_host = None
+                self._on_tcp_failed()
                 continue
             except _Broken as exc:
                 self._call.cancel()  # a broken data connection leaves the call running

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import time
 from collections.abc import Callable
 
 MAGIC = b"RLDC\x01"  # "remote-loader data connection", version 1
@@ -115,12 +116,15 @@ def target_host(target: str) -> str | None:
 
 
 def connect(host: str, port: int, ticket: bytes, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
-    """A data connection to `host:port`, handshaken; raises DataConnectionError."""
+    """A data connection to `host:port`, handshaken within `timeout` s in all; raises
+    DataConnectionError."""
+    deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise DataConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
     try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         tune(sock)
         sock.sendall(hello(ticket))
         answer = sock.recv(1)

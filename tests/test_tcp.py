@@ -102,9 +102,11 @@ def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
         elapsed = time.monotonic() - started
         assert loader.last_transport == "grpc"
         assert loader.stats().reconnects == 0  # falling back is not a failure
+        assert_same(list(loader), expected(SIZES))  # the next epoch does not try again
+        assert loader.last_transport == "grpc"
     # The client cancelled and went on: the server did not wait out its ACCEPT_TIMEOUT.
     assert elapsed < tcp.ACCEPT_TIMEOUT / 2, elapsed
-    assert "continuing inside the gRPC stream from batch 0" in caplog.text
+    assert caplog.text.count("continuing inside the gRPC stream from batch 0") == 1
 
 
 def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, Any]:
