@@ -4,10 +4,11 @@ For each workload (`images`: transport-bound, batches of about 9.6 MB from a nea
 `__getitem__`; `heavy`: compute-bound, a few ms of convolutions per sample; both in
 benchmarks/workloads.py; `demo`: the built-in image folder of remote_loader.server.datasets, 512
 JPEGs decoded, randomly cropped and flipped, with `return_index`) the same dataset, batch size
-and worker count run three ways: a local `DataLoader` (forkserver, persistent workers), and a
-`RemoteLoader` against `remote-loader serve` started as a separate process, once over gRPC
-(`transport="grpc"`: what a trainer on another host gets) and once through the same-host shared-
-memory ring (`transport="auto"`, which picks it on one machine). Neither side shuffles. `images`
+and worker count run four ways: a local `DataLoader` (forkserver, persistent workers), and a
+`RemoteLoader` against `remote-loader serve` started as a separate process, inside gRPC messages
+(`transport="grpc"`), on a TCP data connection beside the gRPC stream (`transport="tcp"`: what a
+trainer on another host gets by default) and through the same-host shared-memory ring
+(`transport="auto"`, which picks it on one machine). Neither side shuffles. `images`
 and `heavy` hold `--batches` batches; `demo` always reads its whole folder (512 / batch size
 batches, the last one maybe short). Timed rounds alternate local/remote after one untimed warm-
 up epoch each; the table shows medians over rounds (batches/s, GB/s of tensor bytes, time to the
@@ -232,9 +233,16 @@ class Side:
         self.loader_rss = max(self.loader_rss, rss.server)
 
 
+# CLIENT_THREADS_WHY: the training loop here only touches one sample per batch (touch()), but
+# torch's intra-op pool (one thread per core by default) keeps spinning for a while after each
+# op: measured per thread in /proc, 2.2-2.9 CPU s of every 5 s on this 2-core machine, taken from
+# the workers and the server of every side alike. A trainer's loop runs on its own cores (and
+# on the GPU); here it shares two with its loader, so by default it runs torch on one thread.
+# `--client-threads 2` shows what torch's default does.
+
 # The loaders each workload runs, in each round's order: label -> RemoteLoader transport
 # (None: torch's DataLoader in this process).
-LOADERS: dict[str, str | None] = {"local": None, "grpc": "grpc", "shm": "auto"}
+LOADERS: dict[str, str | None] = {"local": None, "grpc": "grpc", "tcp": "tcp", "shm": "auto"}
 REMOTE = [label for label, transport in LOADERS.items() if transport is not None]
 
 
@@ -442,16 +450,18 @@ def plot(results: dict[str, dict[str, Side]], raw: list[float], path: str, title
 
     names = list(results)
     xs = list(range(len(names)))
-    colors = {"local": "tab:blue", "grpc": "tab:orange", "shm": "tab:green"}
+    colors = {"local": "tab:blue", "grpc": "tab:orange", "tcp": "tab:purple", "shm": "tab:green"}
     fig, (ax_ratio, ax_rate, ax_gb) = plt.subplots(1, 3, figsize=(16, 5.2))
 
     # The median as a bar per transport, each round's ratio as a dot.
     every_ratio: list[float] = []
-    for offset, label in zip((-0.2, 0.2), REMOTE, strict=True):
+    width = 0.8 / len(REMOTE)
+    for i, label in enumerate(REMOTE):
+        offset = (i - (len(REMOTE) - 1) / 2) * width
         every = {name: ratios(results[name]["local"], results[name][label]) for name in names}
         medians = [statistics.median(every[name]) for name in names]
         bars = ax_ratio.bar(
-            [x + offset for x in xs], medians, width=0.4, color=colors[label], label=label
+            [x + offset for x in xs], medians, width=width, color=colors[label], label=label
         )
         ax_ratio.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3, fontsize=8)
         ax_ratio.plot(
@@ -464,14 +474,16 @@ def plot(results: dict[str, dict[str, Side]], raw: list[float], path: str, title
     ax_ratio.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
     ax_ratio.set_ylim(0, max(1.0, *every_ratio) * 1.35)
     ax_ratio.set_title("remote / local throughput (batches/s; dots: rounds)")
-    ax_ratio.legend(loc="upper left", ncols=3)
+    ax_ratio.legend(loc="upper left", ncols=4)
 
     def grouped(ax: Any, value: Callable[[Epoch], float], fmt: str) -> list[float]:
         values = []
-        for offset, label in zip((-0.27, 0.0, 0.27), LOADERS, strict=True):
+        width = 0.8 / len(LOADERS)
+        for i, label in enumerate(LOADERS):
+            offset = (i - (len(LOADERS) - 1) / 2) * width
             medians = [results[name][label].median(value) for name in names]
             bars = ax.bar(
-                [x + offset for x in xs], medians, width=0.27, color=colors[label], label=label
+                [x + offset for x in xs], medians, width=width, color=colors[label], label=label
             )
             ax.bar_label(bars, labels=[format(v, fmt) for v in medians], padding=2, fontsize=8)
             values += medians
@@ -480,7 +492,7 @@ def plot(results: dict[str, dict[str, Side]], raw: list[float], path: str, title
     rates = grouped(ax_rate, lambda e: e.batches_per_s, ".1f")
     ax_rate.set_ylim(0, max(rates) * 1.3)  # room for the labels and the legend
     ax_rate.set_title("batches/s (median)")
-    ax_rate.legend(loc="upper left", ncols=3)
+    ax_rate.legend(loc="upper left", ncols=4)
 
     gb_rates = grouped(ax_gb, lambda e: e.gb_per_s, ".2g")
     ceiling = statistics.median(raw)
@@ -533,8 +545,9 @@ def _table(results: dict[str, dict[str, Side]], raw: list[float], rounds: int) -
         f"raw grpcio ceiling ({RAW_MESSAGE_BYTES >> 20} MiB bytes messages, loopback): "
         f"{statistics.median(raw):.3f} GB/s",
         "",
-        "local: torch's DataLoader in this process. grpc, shm: RemoteLoader over gRPC, and "
-        "through the shared-memory ring.",
+        "local: torch's DataLoader in this process. grpc, tcp, shm: RemoteLoader inside gRPC "
+        "messages, on a TCP data",
+        "connection beside the gRPC stream, and through the shared-memory ring.",
         "client: this process, which reads the batches (all sides). server: local, the "
         "DataLoader's fork server and",
         "workers; remote, the server process, its fork server and its workers. CPU s: per "
@@ -578,6 +591,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--plot", metavar="FILE.png", help="also draw the results into this image (matplotlib)"
     )
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of this process, the training loop of every side "
+        "(default 1; see CLIENT_THREADS_WHY)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 batches, 1 round")
     parser.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -589,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         return raw_server()
     if args.quick:
         args.batches, args.rounds = 10, 1
-    for flag in ("batch_size", "workers", "rounds", "batches"):
+    for flag in ("batch_size", "workers", "rounds", "batches", "client_threads"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.plot is not None:
@@ -598,13 +618,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--plot needs matplotlib: pip install '.[bench]'")
         if not Path(args.plot).resolve().parent.is_dir():
             raise SystemExit(f"--plot: no such directory for {args.plot!r}")
+    torch.set_num_threads(args.client_threads)  # CLIENT_THREADS_WHY
     names: list[str] = args.workloads
     demo = ""
     if "demo" in names:
         demo = f" (demo: its {DEMO_SAMPLES} images, {batches_per_epoch('demo', args)} batches)"
     settings = (
         f"batch {args.batch_size}, {args.workers} workers, {args.batches} batches/epoch{demo}, "
-        f"{args.rounds} timed round(s)"
+        f"{args.rounds} timed round(s), {args.client_threads} client thread(s)"
     )
     print(
         f"DataLoader in-process vs RemoteLoader over loopback: {settings} "
