@@ -9,6 +9,7 @@ Prints both after the first and the last epoch and their ratio; the target is at
 Run from the repository root:
 
     python benchmarks/memory.py [--epochs 20] [--batch-size 64] [--workers 2] [--batches 20]
+                                [--transport auto|tcp|grpc]
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=20, help="batches per epoch")
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "tcp", "grpc"],
+        default="auto",
+        help="RemoteLoader's transport (auto: the shared-memory ring on this host)",
+    )
     args = parser.parse_args(argv)
     if min(args.epochs, args.batch_size, args.workers, args.batches) < 1:
         raise SystemExit("--epochs, --batch-size, --workers and --batches must be at least 1")
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     server, address = start_server(flags)
     after: list[tuple[int, int]] = []  # per epoch: (server process, whole tree) RSS
     try:
-        with RemoteLoader(address, device="cpu") as loader:
+        with RemoteLoader(address, device="cpu", transport=args.transport) as loader:
             for epoch in range(args.epochs):
                 batches = sum(1 for _ in loader)
                 if batches != args.batches:
