@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
+from remote_loader.client import receiver as receiver_module
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import StartServer
 
@@ -75,3 +81,45 @@ def test_timeout_names_the_batch(start_server: StartServer) -> None:
         ),
     ):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_receive_buffers_stay_within_the_prefetch_depth(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch, transport: str, prefetch: int
+) -> None:
+    """Every batch lands in a receive buffer (pinned where there is CUDA: tests/test_gpu.py
+    checks the pinned allocator there); however slow the loop, no more are alive at once than
+    the queue (`prefetch`), the one the receiver fills or holds, and the loop's batches (on the
+    CPU the loop's batch *is* its buffer: the one it holds and the one it just dropped)."""
+    # Weak references to the buffers' storages: a batch's tensors are views that keep them.
+    alive: list[StorageWeakRef] = []
+    most = 0
+    lock = threading.Lock()
+    real_init = receiver_module._Assembly.__init__
+
+    def counted(self: Any, meta: Any, pin: bool) -> None:
+        nonlocal most
+        real_init(self, meta, pin)
+        with lock:
+            alive.append(StorageWeakRef(self.payload.untyped_storage()))
+            most = max(most, sum(1 for ref in alive if not ref.expired()))
+
+    monkeypatch.setattr(receiver_module._Assembly, "__init__", counted)
+    address = start_server(
+        LoaderSpec(
+            name="sizes",
+            dataset="tests.datasets:Sizes",
+            dataset_kwargs={"sizes": [1_000_000] * 24},
+            batch_size=None,
+            num_workers=2,
+        )
+    )
+    with RemoteLoader(address, device="cpu", prefetch=prefetch, transport=transport) as loader:
+        received = 0
+        for batch in loader:
+            time.sleep(0.02)  # a slow step: the receiver fills the queue and waits for room
+            assert batch.numel() == 1_000_000
+            received += 1
+    assert received == 24 and len(alive) == 24
+    assert most <= prefetch + 3, (most, prefetch)
