@@ -287,9 +287,9 @@ class LoaderService:
                     return  # the client went, or cancelled to go on without a data connection
                 if sock is None:
                     log.warning(
-                        "stream %s: no data connection within %g s; sending Frames",
-                        who,
+                        "no data connection within %g s, sending Frames: %s",
                         tcp.ACCEPT_TIMEOUT,
+                        who,
                     )
                 else:
                     tcp_sender = TcpSender(sock)
@@ -456,7 +456,8 @@ class LoaderServer:
     """A bound gRPC server for a set of loaders, with the standard health service.
 
     Health (`grpc.health.v1`, service "" and "remote_loader.v1.Loader") is SERVING once
-    started and NOT_SERVING while draining.
+    started and NOT_SERVING while draining. The data listener (`data_port`), when on, accepts
+    from creation (a connection needs a ticket from a running stream) and closes with `stop()`.
     """
 
     grpc_server: grpc.Server
