@@ -109,6 +109,29 @@ def batch_frames(
         yield prefix + blob[start:end]
 
 
+def handle_frame(
+    batch: int,
+    total_bytes: int,
+    header_nbytes: int,
+    *,
+    shm: loader_pb2.ShmBatch | None = None,
+    on_tcp: bool = False,
+) -> bytes:
+    """The one Frame of a batch whose bytes travel outside gRPC: in a shared-memory ring
+    (`shm` says where) or on the stream's data connection (`on_tcp`)."""
+    return control_frame(
+        loader_pb2.Frame(
+            batch=batch,
+            part=0,
+            parts=1,
+            total_bytes=total_bytes,
+            header_bytes=header_nbytes,
+            shm=shm,
+            on_tcp=on_tcp,
+        )
+    )
+
+
 def control_frame(frame: loader_pb2.Frame) -> bytes:
     """A Frame without data (an error or the end of the stream), serialized."""
     return frame.SerializeToString()

@@ -100,7 +100,6 @@ class LoaderService:
         chunk_size: int,
         max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
         max_streams: int = DEFAULT_MAX_STREAMS,
-        listener: DataListener | None = None,
     ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
@@ -112,8 +111,9 @@ class LoaderService:
         self.chunk_size = chunk_size
         # Each stream's shared-memory ring is at most this big (0: never use shared memory).
         self.max_ring_bytes = max_ring_bytes
-        # Accepts streams' data connections (NOTE [ TCP data connection ]); None: off.
-        self.listener = listener
+        # Accepts streams' data connections (NOTE [ TCP data connection ]); None: off. Set by
+        # create_server once the gRPC port is bound, so a port clash fails before it listens.
+        self.listener: DataListener | None = None
         # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
         self.draining = False
         # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED (health and

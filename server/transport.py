@@ -69,17 +69,13 @@ class ShmSender:
             raise StreamStopped()
         offset, release = placed
         self.batches += 1
-        return wire.control_frame(
-            pb.Frame(
-                batch=batch,
-                part=0,
-                parts=1,
-                total_bytes=len(blob),
-                header_bytes=header_nbytes,
-                shm=pb.ShmBatch(
-                    ring=ring.name, ring_bytes=ring.capacity, offset=offset, release=release
-                ),
-            )
+        return wire.handle_frame(
+            batch,
+            len(blob),
+            header_nbytes,
+            shm=pb.ShmBatch(
+                ring=ring.name, ring_bytes=ring.capacity, offset=offset, release=release
+            ),
         )
 
     def _ring_for(self, nbytes: int, stopped: Callable[[], bool]) -> shm.RingWriter | None:
@@ -137,16 +133,7 @@ class TcpSender:
     @staticmethod
     def frame(batch: int, blob: memoryview, header_nbytes: int) -> bytes:
         """The Frame announcing that batch `batch` follows on the data connection."""
-        return wire.control_frame(
-            pb.Frame(
-                batch=batch,
-                part=0,
-                parts=1,
-                total_bytes=len(blob),
-                header_bytes=header_nbytes,
-                on_tcp=True,
-            )
-        )
+        return wire.handle_frame(batch, len(blob), header_nbytes, on_tcp=True)
 
     def send(self, blob: memoryview, stopped: Callable[[], bool]) -> None:
         """Writes the batch the last `frame()` announced (after that Frame went out: the client
