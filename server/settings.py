@@ -83,8 +83,7 @@ class ServerSettings:
     token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        if _port_of(self.address) is None:
             raise ConfigError(
                 f"server address must be HOST:PORT (port 0 picks a free one), got {self.address!r}"
             )
@@ -105,25 +104,25 @@ class ServerSettings:
             )
         object.__setattr__(self, "log_level", level)
         if self.metrics_address:
-            host, sep, port = self.metrics_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
+            port = _port_of(self.metrics_address)
+            if port is None:
                 raise ConfigError(
                     "server metrics_address must be HOST:PORT (port 0 picks a free one), or "
                     f"empty for no metrics endpoint, got {self.metrics_address!r}"
                 )
-            if self.metrics_address == self.address and int(port) != 0:
+            if self.metrics_address == self.address and port != 0:
                 raise ConfigError(
                     f"server metrics_address {self.metrics_address} is the gRPC address too: "
                     "give the metrics endpoint a port of its own"
                 )
         if self.data_address not in ("auto", "off"):
-            host, sep, port = self.data_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
+            port = _port_of(self.data_address)
+            if port is None:
                 raise ConfigError(
                     'server data_address must be "auto", "off" or HOST:PORT (port 0 '
                     f"picks a free one), got {self.data_address!r}"
                 )
-            if self.data_address in (self.address, self.metrics_address) and int(port) != 0:
+            if self.data_address in (self.address, self.metrics_address) and port != 0:
                 raise ConfigError(
                     f"server data_address {self.data_address} is taken by the gRPC or metrics "
                     "address: give data connections a port of their own"
@@ -188,6 +187,14 @@ class ServerSettings:
     def describe(self) -> str:
         shown = [f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self) if f.repr]
         return ", ".join([*shown, "token set" if self.auth_token() else "no token"])
+
+
+def _port_of(address: str) -> int | None:
+    """The port of a HOST:PORT address; None when `address` is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return int(port)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerSettings)}
