@@ -11,10 +11,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
 from remote_loader.server.cli import spawn_serve
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.service import LoaderServer, build_hosts, create_server
@@ -85,6 +88,17 @@ def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     return proc.returncode, err
+
+
+def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, Any]:
+    """A Stream call made by hand (no RemoteLoader): its channel, and the call of Frames."""
+    channel = grpc.insecure_channel(address)
+    call = channel.unary_stream(
+        wire.STREAM_METHOD,
+        request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.Frame.FromString,
+    )(request)
+    return channel, call
 
 
 def wait_until(condition: Callable[[], bool], seconds: float) -> bool:

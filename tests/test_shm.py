@@ -8,25 +8,32 @@ the shared memory when either side goes away.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, wire
+from remote_loader.protos import shm
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process, wait_until
+from tests.conftest import (
+    ROOT,
+    ServeLoaders,
+    assert_same,
+    raw_stream,
+    serve_process,
+    stop_process,
+    wait_until,
+)
 
 
 def rings() -> set[str]:
@@ -175,6 +182,21 @@ def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> Loader
     )
 
 
+def serve_sizes(sizes: list[int], num_workers: int, *flags: str) -> tuple[Any, str]:
+    """`remote-loader serve` of the Sizes dataset (one batch per size) plus `flags`."""
+    return serve_process(
+        "--dataset",
+        "tests.datasets:Sizes",
+        "--dataset-kwargs",
+        json.dumps({"sizes": sizes}),
+        "--batch-size",
+        "none",
+        "--num-workers",
+        str(num_workers),
+        *flags,
+    )
+
+
 def expected(sizes: list[int]) -> list[torch.Tensor]:
     return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
 
@@ -252,32 +274,6 @@ def test_a_ring_the_client_cannot_open_falls_back_without_losing_a_batch(
     assert_same(rest, expected(sizes))
 
 
-def test_broadcast_consumers_on_either_transport_get_the_same_batches(
-    serve_loaders: ServeLoaders,
-) -> None:
-    sizes = [150_000] * 10
-    served = serve_loaders(sizes_spec(sizes, sharing=["broadcast"]))
-    results: dict[str, list[Any]] = {}
-
-    def consume(transport: str, rank: int) -> None:
-        with RemoteLoader(
-            served.address, sharing="broadcast", rank=rank, world_size=3, transport=transport
-        ) as loader:
-            results[f"{transport}{rank}"] = list(loader)
-
-    threads = [
-        threading.Thread(target=consume, args=args)
-        for args in (("auto", 0), ("grpc", 1), ("auto", 2))
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert set(results) == {"auto0", "grpc1", "auto2"}
-    for batches in results.values():
-        assert_same(batches, expected(sizes))
-
-
 def offer() -> tuple[shm.Probe, pb.StreamRequest]:
     probe = shm.Probe()
     request = pb.StreamRequest(shm=pb.ShmOffer(probe=probe.name, nonce=probe.nonce))
@@ -286,12 +282,7 @@ def offer() -> tuple[shm.Probe, pb.StreamRequest]:
 
 def first_ring_frame(address: str, request: pb.StreamRequest) -> tuple[Any, pb.Frame]:
     """Starts a raw Stream call and reads until its first batch frame, which names a ring."""
-    channel = grpc.insecure_channel(address)
-    call = channel.unary_stream(
-        wire.STREAM_METHOD,
-        request_serializer=pb.StreamRequest.SerializeToString,
-        response_deserializer=pb.Frame.FromString,
-    )(request)
+    channel, call = raw_stream(address, request)
     frame: pb.Frame = next(iter(call))
     assert frame.HasField("shm"), frame
     return (channel, call), frame
@@ -314,16 +305,7 @@ def test_a_client_that_never_opens_its_ring_leaves_nothing_behind(
 
 @pytest.mark.timeout(60)
 def test_a_killed_server_leaves_no_ring_behind() -> None:
-    proc, address = serve_process(
-        "--dataset",
-        "tests.datasets:Sizes",
-        "--dataset-kwargs",
-        '{"sizes": [400000, 400000, 400000, 400000, 400000, 400000, 400000, 400000]}',
-        "--batch-size",
-        "none",
-        "--num-workers",
-        "1",
-    )
+    proc, address = serve_sizes([400_000] * 8, 1)
     try:
         _, request = offer()
         (channel, _call), frame = first_ring_frame(address, request)
@@ -402,18 +384,7 @@ def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
 
 @pytest.mark.timeout(60)
 def test_serve_max_ring_bytes_0_streams_without_shared_memory() -> None:
-    proc, address = serve_process(
-        "--dataset",
-        "tests.datasets:Sizes",
-        "--dataset-kwargs",
-        '{"sizes": [1000, 1000]}',
-        "--batch-size",
-        "none",
-        "--num-workers",
-        "0",
-        "--max-ring-bytes",
-        "0",
-    )
+    proc, address = serve_sizes([1000, 1000], 0, "--max-ring-bytes", "0")
     try:
         with RemoteLoader(address) as loader:
             assert_same(list(loader), expected([1000, 1000]))

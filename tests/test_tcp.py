@@ -15,16 +15,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp, wire
+from remote_loader.protos import tcp
 from remote_loader.server.service import resolve_data_address
-from tests.conftest import ROOT, ServeLoaders, assert_same, serve_process, stop_process, wait_until
-from tests.test_shm import expected, sizes_spec
+from tests.conftest import (
+    ROOT,
+    ServeLoaders,
+    assert_same,
+    raw_stream,
+    stop_process,
+    wait_until,
+)
+from tests.test_shm import expected, serve_sizes, sizes_spec
 
 SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
 
@@ -107,16 +113,6 @@ def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
     # The client cancelled and went on: the server did not wait out its ACCEPT_TIMEOUT.
     assert elapsed < tcp.ACCEPT_TIMEOUT / 2, elapsed
     assert caplog.text.count("continuing inside the gRPC stream from batch 0") == 1
-
-
-def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(address)
-    call = channel.unary_stream(
-        wire.STREAM_METHOD,
-        request_serializer=pb.StreamRequest.SerializeToString,
-        response_deserializer=pb.Frame.FromString,
-    )(request)
-    return channel, call
 
 
 def test_a_client_that_never_connects_gets_frames_after_the_accept_timeout(
@@ -215,25 +211,28 @@ def test_broadcast_consumers_on_every_transport_get_the_same_batches(
 ) -> None:
     sizes = [150_000] * 10
     served = serve_loaders(sizes_spec(sizes, sharing=["broadcast"]))
+    consumers = {"auto0": "shm", "grpc1": "grpc", "auto2": "shm", "tcp3": "tcp"}
     results: dict[str, list[Any]] = {}
     transports: dict[str, str | None] = {}
 
-    def consume(transport: str, rank: int) -> None:
+    def consume(name: str) -> None:
+        transport, rank = name[:-1], int(name[-1])
         with RemoteLoader(
-            served.address, sharing="broadcast", rank=rank, world_size=3, transport=transport
+            served.address,
+            sharing="broadcast",
+            rank=rank,
+            world_size=len(consumers),
+            transport=transport,
         ) as loader:
-            results[transport] = list(loader)
-            transports[transport] = loader.last_transport
+            results[name] = list(loader)
+            transports[name] = loader.last_transport
 
-    threads = [
-        threading.Thread(target=consume, args=args)
-        for args in (("auto", 0), ("tcp", 1), ("grpc", 2))
-    ]
+    threads = [threading.Thread(target=consume, args=(name,)) for name in consumers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert transports == {"auto": "shm", "tcp": "tcp", "grpc": "grpc"}
+    assert transports == consumers
     for batches in results.values():
         assert_same(batches, expected(sizes))
 
@@ -275,18 +274,8 @@ def test_a_killed_client_ends_its_stream_on_the_server(serve_loaders: ServeLoade
 
 
 def test_serve_data_address_flag() -> None:
-    args = [
-        "--dataset",
-        "tests.datasets:Sizes",
-        "--dataset-kwargs",
-        '{"sizes": [1000, 1000]}',
-        "--batch-size",
-        "none",
-        "--num-workers",
-        "0",
-    ]
     for flag, way in (("127.0.0.1:0", "tcp"), ("off", "grpc")):
-        proc, address = serve_process(*args, "--data-address", flag)
+        proc, address = serve_sizes([1000, 1000], 0, "--data-address", flag)
         try:
             with RemoteLoader(address, transport="tcp") as loader:
                 assert_same(list(loader), expected([1000, 1000]))
