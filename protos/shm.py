@@ -41,6 +41,31 @@ server is killed before that, its resource tracker (a separate process, outlivin
 it. The probe is unlinked by the server when it reads it and by
 the client when the stream's first message or error arrives, whichever comes first.
 
+NOTE [ Ring space ]
+
+How the ring follows batch sizes. Positions are logical byte counts since the ring was made
+(monotonic); a batch at logical `start` lies at `start % capacity`. Batches never wrap: one
+that does not fit before the end skips the tail, starting at the next multiple of `capacity`.
+
+    written   end of the last batch placed (server)     consumed  cursor the client released
+    a batch [start, end) may be placed when    end - consumed <= capacity   (its bytes are free)
+                                          or   consumed == written          (the ring is empty)
+
+The second rule matters: the skipped tail is never covered by a release (the client releases
+the `end` of each batch it read, and no batch ends inside the tail), so a batch that needs more
+than the space before the wrap point could otherwise wait for a cursor that never comes. That
+was the hang of sequences whose batches grow: 1 KB, 2 KB, then 4 KB, which fits only an empty
+4-batch ring, after 3 KB were written. Both rules keep the invariant that the bytes of a batch
+the client has not released are never overwritten.
+
+Growth: a ring holds RING_BATCHES batches of the size that made it (capped at max_ring_bytes).
+A batch larger than the ring moves the stream to a new ring sized for it, after the client has
+mapped the old one (it reads the old ring's batches first: frames arrive in order); sizes only
+ever go up within a stream, so a stream whose batches shrink keeps its ring. A batch larger
+than max_ring_bytes goes as plain Frames and the ring stays as it is. Every wait for room ends
+when the stream is cancelled (the client closed, died, or stopped answering keepalive pings)
+or the consumer is detached (broadcast's detach_timeout), as a wait in gRPC's flow control does.
+
 Cursor: the ring's first 64 bytes hold the client's `consumed` cursor (a little-endian u64 of
 bytes released since the ring was made, monotonic). Only the client writes it, only the server
 reads it; an aligned 8-byte store is not torn on the platforms torch supports, and the client
@@ -247,13 +272,22 @@ class RingWriter:
         need = _aligned(max(n, 1))
         if need > self.capacity:
             raise ValueError(f"a {n}-byte batch does not fit a {self.capacity}-byte ring")
-        start = self._written
+        written = self._written
+        start = written
         pos = start % self.capacity
         if pos + need > self.capacity:
             start += self.capacity - pos  # no batch wraps: skip to the start of the ring
             pos = 0
         end = start + need
-        if not self._wait(lambda: end - self.consumed() <= self.capacity, stopped, poll):
+
+        # See NOTE [ Ring space ]: the skipped tail is free space no release ever covers, so
+        # an emptied ring always has room (without that, a batch that does not fit before the
+        # wrap point waited for a cursor that could never get there).
+        def room() -> bool:
+            consumed = self.consumed()
+            return end - consumed <= self.capacity or consumed >= written
+
+        if not self._wait(room, stopped, poll):
             return None
         # numpy copies without holding the GIL, so other streams' threads run meanwhile.
         np.copyto(self._data[pos : pos + n], np.frombuffer(blob, dtype=np.uint8))

@@ -142,3 +142,19 @@ def assert_same(a: Any, b: Any, path: str = "batch") -> None:
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--conformance-examples",
+        type=int,
+        default=None,
+        help="examples per case of tests/test_conformance.py (default 25; more to run it long)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    examples = config.getoption("--conformance-examples")
+    if examples is not None:
+        # Read when tests/test_conformance.py is imported, which is after this.
+        os.environ["REMOTE_LOADER_CONFORMANCE_EXAMPLES"] = str(examples)

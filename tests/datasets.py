@@ -262,3 +262,40 @@ def sharing_collate(samples: list[Any]) -> dict[str, Any]:
     """default_collate, plus whether its tensor landed in shared memory (see server/worker.py)."""
     batch = torch.utils.data.default_collate(samples)
     return {"batch": batch, "shared": batch.is_shared()}
+
+
+class Drawn(Dataset[Any]):
+    """Batches described in a JSON file the test rewrites between epochs (the conformance suite).
+
+    The file holds a list with one entry per sample: {"sizes": [bytes of each tensor leaf],
+    "dtype": a torch dtype name, "nest": 0-2}. Used with batch_size=None, sample i is batch i,
+    so a test chooses every batch's byte size and structure. Reading the file on every access
+    lets one server (and persistent workers) serve any number of drawn sequences.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _batches(self) -> list[dict[str, Any]]:
+        import json
+
+        with open(self.path) as f:
+            batches: list[dict[str, Any]] = json.load(f)
+        return batches
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+    def __getitem__(self, i: int) -> Any:
+        spec = self._batches()[i]
+        dtype = getattr(torch, spec["dtype"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        leaves = [
+            torch.arange(n // itemsize, dtype=torch.int64).add_(i * 7 + k).to(dtype)
+            for k, n in enumerate(spec["sizes"])
+        ]
+        if spec["nest"] == 0:
+            return leaves[0] if len(leaves) == 1 else leaves
+        if spec["nest"] == 1:
+            return {"index": i, "leaves": tuple(leaves)}
+        return {"index": i, "deep": [{"first": leaves[0]}, (leaves[1:], f"sample {i}")]}

@@ -153,6 +153,35 @@ def test_a_batch_never_wraps_and_a_reader_checks_bounds() -> None:
         writer.close()
 
 
+def test_an_emptied_ring_takes_a_batch_too_big_for_the_space_before_the_wrap() -> None:
+    # NOTE [ Ring space ]: 1 then 2 lines leave 1 line before the wrap point; a 4-line batch
+    # fits only the whole ring, which the reader has emptied. The skipped line is never
+    # released, so a rule that waited for the cursor to pass it waited forever.
+    writer = shm.RingWriter(4 * shm.ALIGN)
+    reader = shm.RingReader(writer.name, writer.capacity)
+    try:
+        for nbytes in (shm.ALIGN, 2 * shm.ALIGN):
+            placed = writer.place(memoryview(bytes(nbytes)), lambda: False)
+            assert placed is not None
+            reader.release(placed[1])
+        polls = 0
+
+        def stopped() -> bool:  # gives up after a few polls instead of waiting forever
+            nonlocal polls
+            polls += 1
+            return polls > 20
+
+        batch = np.arange(4 * shm.ALIGN, dtype=np.uint8)
+        placed = writer.place(batch.data, stopped)
+        assert placed == (0, 8 * shm.ALIGN), placed
+        np.testing.assert_array_equal(reader.view(0, batch.nbytes), batch)
+        # While the reader holds a batch, the rule still protects it: no room, wait.
+        assert writer.place(memoryview(bytes(shm.ALIGN)), lambda: True) is None
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_ring_sizes_follow_the_batch_and_the_cap() -> None:
     assert shm.ring_bytes_for(1000, 1 << 30) == shm.RING_BATCHES * 1024
     assert shm.ring_bytes_for(1000, 2048) == 2048
@@ -231,6 +260,42 @@ def test_rings_grow_with_the_batches_and_huge_batches_go_as_frames(
     assert_same(received, expected(sizes))
     assert transports[5] == "grpc"
     assert transports[:5] == ["shm"] * 5 and transports[6:] == ["shm"] * 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_batches_that_grow_every_time_all_arrive_over_shared_memory(
+    serve_loaders: ServeLoaders, num_workers: int
+) -> None:
+    # Issue 13's reproduction: each batch twice the last (padded NLP batches, curricula).
+    sizes = [1000 << k for k in range(8)]
+    served = serve_loaders(sizes_spec(sizes, num_workers))
+    with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
+        received = list(loader)
+        assert loader.last_transport == "shm"
+    assert_same(received, expected(sizes))
+
+
+def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
+    serve_loaders: ServeLoaders,
+) -> None:
+    # Batches of 1, 2, 3, ... samples: the shape of a bucketing or curriculum batch sampler.
+    served = serve_loaders(
+        LoaderSpec(
+            name="growing",
+            dataset="tests.datasets:Sizes",
+            dataset_kwargs={"sizes": [4000] * 36},
+            batch_sampler="tests.datasets:GrowingBatches",
+            num_workers=2,
+        )
+    )
+    with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
+        received = list(loader)
+        assert loader.last_transport == "shm"
+    assert [len(b) for b in received] == list(range(1, 9))
+    # Sample i is 4000 bytes of i % 256: every sample of the epoch arrived, once.
+    firsts = sorted(int(row[0]) for batch in received for row in batch)
+    assert firsts == list(range(36))
+    assert all(bool((row == row[0]).all()) for batch in received for row in batch)
 
 
 def test_no_room_for_a_ring_falls_back_to_grpc(
