@@ -76,9 +76,16 @@ def start_server(serve_loaders: ServeLoaders) -> StartServer:
     return start
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment for a child process that imports `tests.*`: the repository first on
+    PYTHONPATH, an existing PYTHONPATH (an install made with --target) kept after it."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
     """`remote-loader serve ARGS` on port 0 as a process; returns it and its address."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # workers import tests.datasets
+    env = subprocess_env()  # workers import tests.datasets
     proc, port = spawn_serve(args, env=env, stderr=subprocess.PIPE)
     return proc, f"127.0.0.1:{port}"
 

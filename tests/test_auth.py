@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from remote_loader.protos import wire
 from remote_loader.server.auth import ServerTLS
 from remote_loader.server.settings import resolve_settings
 from remote_loader.server.spec import ConfigError, LoaderSpec
-from tests.conftest import ROOT, ServeLoaders, serve_process, stop_process
+from tests.conftest import ServeLoaders, serve_process, stop_process, subprocess_env
 from tests.datasets import read_counts
 from tests.test_resume import CuttingProxy
 
@@ -83,7 +82,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=subprocess_env(),
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server.cli import serve_command
-from tests.conftest import ROOT, serve_process, stop_process
+from tests.conftest import serve_process, stop_process, subprocess_env
 
 SQUARES_FLAGS = (
     "--dataset",
@@ -53,7 +52,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=subprocess_env(),
     )
 
 
@@ -97,7 +96,7 @@ def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the configs name tests.datasets
+    env = subprocess_env()  # the configs name tests.datasets
     return subprocess.run(
         [sys.executable, "-m", "remote_loader.server.cli", *args],
         capture_output=True,

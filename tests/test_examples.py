@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 # Within the marks' timeout, so a hung example fails with its output rather than pytest's.
 RUN_TIMEOUT = 100
@@ -20,7 +20,7 @@ def run_example(*args: str) -> str:
     """Runs `python examples/ARGS` from the repository root; returns its output, checked."""
     # os.environ has REMOTE_LOADER_CACHE from the autouse fixture: the server's workers build
     # the demo images there, not in the home directory.
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     # A session of its own, so that a timeout can stop the example's server and ranks too, not
     # only the example's own process.
     proc = subprocess.Popen(

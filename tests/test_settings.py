@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from remote_loader.client import RemoteLoader
 from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import ConfigError, read_config
-from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
 
@@ -109,7 +108,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env=subprocess_env(**(env or {})),
     )
 
 
@@ -129,7 +128,7 @@ def test_check_config_shows_the_resolved_settings(tmp_path: Path) -> None:
 def test_serve_listens_where_the_server_table_says(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[server]\naddress = "127.0.0.1:0"\n\n' + LOADER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "remote_loader.server.cli", "serve", "--config", str(path)],
         stdout=subprocess.PIPE,

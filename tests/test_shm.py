@@ -26,12 +26,12 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import (
-    ROOT,
     ServeLoaders,
     assert_same,
     raw_stream,
     serve_process,
     stop_process,
+    subprocess_env,
     wait_until,
 )
 
@@ -400,7 +400,7 @@ def test_a_killed_client_frees_its_ring_on_the_server(serve_loaders: ServeLoader
         [sys.executable, "-c", script, served.address],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=subprocess_env(),
     )
     assert client.stdout is not None
     assert [client.stdout.readline().strip() for _ in range(3)] == ["shm"] * 3

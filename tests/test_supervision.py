@@ -21,7 +21,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader, RequestError
 from remote_loader.server.pool import MAX_TASK_ATTEMPTS, WorkerPool
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ROOT, Served, ServeLoaders, process_alive, serve_process, wait_until
+from tests.conftest import (
+    Served,
+    ServeLoaders,
+    process_alive,
+    serve_process,
+    subprocess_env,
+    wait_until,
+)
 
 
 def slow(name: str = "slow", n: int = 40, seconds: float = 0.004, **options: Any) -> LoaderSpec:
@@ -135,7 +142,7 @@ def test_a_killed_client_frees_the_server_within_two_seconds(
     served = serve_loaders(slow(n=400, seconds=0.01))
     host = served.hosts["slow"]
     pool = persistent_pool(served, "slow")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
 
     def client() -> subprocess.Popen[str]:
         return subprocess.Popen(
