@@ -231,10 +231,16 @@ class Receiver(threading.Thread):
     def _put(self, item: Item) -> bool:
         while not self._stopped.is_set():
             try:
-                self._out_q.put(item, timeout=POLL_INTERVAL)
+                self._out_q.put(item, timeout=shm.HEARTBEAT_INTERVAL)
                 return True
             except queue.Full:
-                continue
+                # The training loop is busy: tell the server, which may be waiting for room in
+                # the ring or on the data connection, that this client is alive all the same
+                # (NOTE [ Ring space ], NOTE [ TCP data connection ]).
+                if self._ring is not None:
+                    self._ring.beat()
+                if self._data is not None:
+                    tcp.beat(self._data)
         return False
 
     def run(self) -> None:

@@ -63,8 +63,15 @@ A batch larger than the ring moves the stream to a new ring sized for it, after 
 mapped the old one (it reads the old ring's batches first: frames arrive in order); sizes only
 ever go up within a stream, so a stream whose batches shrink keeps its ring. A batch larger
 than max_ring_bytes goes as plain Frames and the ring stays as it is. Every wait for room ends
-when the stream is cancelled (the client closed, died, or stopped answering keepalive pings)
-or the consumer is detached (broadcast's detach_timeout), as a wait in gRPC's flow control does.
+when the stream is cancelled (the client closed or died), when the consumer is detached
+(broadcast's detach_timeout), or when the client's heartbeat stops: its receiver bumps a
+counter in the ring's header every HEARTBEAT_INTERVAL while it holds the ring, also while its
+queue is full, so a training loop may pause for as long as it likes, but a client that is
+frozen (SIGSTOP, a hung host, a GIL held for good) is let go after the server's
+`client_silence` seconds (keepalive_time_ms + keepalive_timeout_ms, 30 s by default): the
+stream ends with UNAVAILABLE and its ring is freed. gRPC's own keepalive does not cover this:
+with no data pending on the stream, measured, it let a frozen client go only after ~60 s
+whatever keepalive_time_ms said.
 
 Cursor: the ring's first 64 bytes hold the client's `consumed` cursor (a little-endian u64 of
 bytes released since the ring was made, monotonic). Only the client writes it, only the server
@@ -99,10 +106,14 @@ _RING_NAME = re.compile(r"rl-ring-[0-9a-f]{32}")
 NONCE_BYTES = 16
 
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
-# ring), the rest of the first 64 bytes unused, then the data.
+# ring), [16, 24) the client's heartbeat, the rest of the first 64 bytes unused, then the data.
 RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
+_HEARTBEAT_AT = 16
+# The client's receiver bumps the heartbeat at least this often while it holds the ring, also
+# while its queue is full (a training loop that pauses for minutes still has a live receiver).
+HEARTBEAT_INTERVAL = 0.1
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -297,6 +308,10 @@ class RingWriter:
     def attached(self) -> bool:
         return bool(self._mm[_ATTACHED_AT])
 
+    def heartbeat(self) -> int:
+        """The client's heartbeat counter (NOTE [ Ring space ]: a frozen client stops it)."""
+        return int(_CURSOR.unpack_from(self._mm, _HEARTBEAT_AT)[0])
+
     def wait_attached(self, stopped: Callable[[], bool]) -> bool:
         """Waits until the client has mapped the ring (its name may go then); False if stopped."""
         return self._wait(self.attached, stopped, 50e-6)
@@ -348,6 +363,7 @@ class RingReader:
             os.close(fd)
             _unlink(name)  # both mappings keep it alive now; nothing is left to clean up
         self._mm[_ATTACHED_AT] = 1
+        self._beats = 0
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -362,6 +378,13 @@ class RingReader:
 
     def release(self, cursor: int) -> None:
         _CURSOR.pack_into(self._mm, 0, cursor)
+        self.beat()
+
+    def beat(self) -> None:
+        """Tells the server this client is alive (its receiver runs): see HEARTBEAT_INTERVAL."""
+        if self._data is not None:
+            self._beats += 1
+            _CURSOR.pack_into(self._mm, _HEARTBEAT_AT, self._beats)
 
     def close(self) -> None:
         self._data = None

@@ -39,6 +39,12 @@ Bounds: a stream has one data connection; the server writes a batch only after s
 Frame and only as fast as the client reads (the kernel's socket buffers, SOCKET_BUFFER each
 way, are all that is in flight); the listener holds at most MAX_HANDSHAKES connections that have
 not yet said HELLO (a new one evicts the oldest: a real client says it at once).
+
+Liveness: after HELLO the client writes only heartbeats, one byte (BEAT) each, when its queue is
+full (every HEARTBEAT_INTERVAL while the training loop is busy). A server whose send has made no
+progress reads them; none for `client_silence` seconds means the client is frozen or its host
+hung, and the stream ends (SilentClientError) instead of waiting on it for good. gRPC's own
+keepalive let such a client go only after ~60 s, measured, whatever keepalive_time_ms said.
 """
 
 from __future__ import annotations
@@ -67,6 +73,24 @@ STALL_TIMEOUT = 30.0
 SOCKET_BUFFER = 4 * 1024 * 1024
 # How often a blocked send or receive wakes up to check whether its stream is still wanted.
 POLL_INTERVAL = 0.1
+
+
+BEAT = b"\x00"
+HEARTBEAT_INTERVAL = 0.1
+
+
+class SilentClientError(ConnectionError):
+    """The client neither read nor sent a heartbeat for `client_silence` seconds."""
+
+
+def beat(sock: socket.socket) -> None:
+    """The client's heartbeat: one byte, never blocking (a full buffer already says enough)."""
+    try:
+        sock.send(BEAT, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError:
+        pass  # a broken connection shows up where the client reads
 
 
 class DataConnectionError(ConnectionError):
@@ -141,20 +165,47 @@ def connect(host: str, port: int, ticket: bytes, timeout: float = CONNECT_TIMEOU
     return sock
 
 
-def send(sock: socket.socket, data: memoryview, stopped: Callable[[], bool]) -> bool:
+def send(
+    sock: socket.socket,
+    data: memoryview,
+    stopped: Callable[[], bool],
+    client_silence: float = STALL_TIMEOUT,
+) -> bool:
     """Writes all of `data`; False if `stopped()` turned true first.
 
-    `sock` has a POLL_INTERVAL timeout. Raises OSError when the client has gone.
+    `sock` has a POLL_INTERVAL timeout. Raises OSError when the client has gone, and
+    SilentClientError when it read nothing and sent no heartbeat for `client_silence` seconds.
     """
     view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     sent, total = 0, len(view)
+    heard = time.monotonic()
     while sent < total:
         try:
             sent += sock.send(view[sent:])
+            heard = time.monotonic()
         except TimeoutError:
             # sendall would not say how much went before a timeout; send() does, per call.
             if stopped():
                 return False
+            if _heartbeats(sock):
+                heard = time.monotonic()
+            elif time.monotonic() - heard >= client_silence:
+                raise SilentClientError(
+                    f"the client read nothing from its data connection and sent no heartbeat "
+                    f"for {client_silence:g} s ({sent} of {total} bytes of a batch sent)"
+                ) from None
+    return True
+
+
+def _heartbeats(sock: socket.socket) -> bool:
+    """Reads the client's pending heartbeats; whether there were any. Raises OSError when the
+    client has closed the connection."""
+    try:
+        got = sock.recv(4096, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return False
+    if not got:
+        raise ConnectionResetError("the client closed its data connection")
     return True
 
 

@@ -42,6 +42,8 @@ from remote_loader.server.sharing import (
 )
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.transport import (
+    DEFAULT_CLIENT_SILENCE,
+    ClientSilent,
     DataConnectionLost,
     DataListener,
     StreamStopped,
@@ -100,6 +102,7 @@ class LoaderService:
         chunk_size: int,
         max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
         max_streams: int = DEFAULT_MAX_STREAMS,
+        client_silence: float = DEFAULT_CLIENT_SILENCE,
     ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
@@ -111,6 +114,9 @@ class LoaderService:
         self.chunk_size = chunk_size
         # Each stream's shared-memory ring is at most this big (0: never use shared memory).
         self.max_ring_bytes = max_ring_bytes
+        # A same-host client whose ring heartbeat stands still this long while the stream waits
+        # for it is let go (NOTE [ Ring space ]): keepalive_time_ms + keepalive_timeout_ms.
+        self.client_silence = client_silence
         # Accepts streams' data connections (NOTE [ TCP data connection ]); None: off. Set by
         # create_server once the gRPC port is bound, so a port clash fails before it listens.
         self.listener: DataListener | None = None
@@ -263,7 +269,11 @@ class LoaderService:
             start=start,
         )
         # Same host? Read the client's probe now (it is removed either way).
-        sender = accept_offer(request.shm, self.max_ring_bytes) if request.HasField("shm") else None
+        sender = (
+            accept_offer(request.shm, self.max_ring_bytes, self.client_silence)
+            if request.HasField("shm")
+            else None
+        )
         transport = "shm" if sender is not None else "grpc"
         if request.HasField("shm") and sender is None:
             transport += " (shm offered, declined)"
@@ -292,7 +302,7 @@ class LoaderService:
                         who,
                     )
                 else:
-                    tcp_sender = TcpSender(sock)
+                    tcp_sender = TcpSender(sock, self.client_silence)
             consumer = host.attach(membership, seed, request.epoch, start)
             # Detach at once when the client goes, even if this thread is stuck sending.
             context.add_callback(consumer.close)
@@ -371,6 +381,11 @@ class LoaderService:
             _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except DetachedError as exc:
             _abort(context, grpc.StatusCode.ABORTED, str(exc))
+        except ClientSilent as exc:
+            if cancelled.is_set():
+                return
+            # A frozen client cannot read this; the log line and the freed ring are the point.
+            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except DataConnectionLost as exc:
             if cancelled.is_set():
                 return
@@ -528,7 +543,13 @@ def create_server(
     The keyword arguments are the [server] settings of the same names (server/settings.py).
     """
     listen_data = resolve_data_address(data_address, address, tls is not None)
-    service = LoaderService(hosts, chunk_size, max_ring_bytes, max_streams=max_streams)
+    service = LoaderService(
+        hosts,
+        chunk_size,
+        max_ring_bytes,
+        max_streams=max_streams,
+        client_silence=(keepalive_time_ms + keepalive_timeout_ms) / 1000,
+    )
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
             service.ListLoaders,

@@ -29,14 +29,26 @@ class StreamStopped(Exception):
     """The stream was cancelled, or its consumer detached, while waiting for the client."""
 
 
-def accept_offer(offer: pb.ShmOffer, max_ring_bytes: int) -> ShmSender | None:
+class ClientSilent(Exception):
+    """The client's ring heartbeat stood still for `client_silence` seconds while the server
+    waited for it to make room: the client is frozen or gone (NOTE [ Ring space ])."""
+
+
+# How long a client may leave its ring's heartbeat still while the server waits on it, unless
+# the server says otherwise (create_server: keepalive_time_ms + keepalive_timeout_ms).
+DEFAULT_CLIENT_SILENCE = 30.0
+
+
+def accept_offer(
+    offer: pb.ShmOffer, max_ring_bytes: int, client_silence: float = DEFAULT_CLIENT_SILENCE
+) -> ShmSender | None:
     """A sender for a stream whose request carries `offer`, or None to send plain Frames."""
     if not offer.probe or max_ring_bytes <= 0 or not shm.available():
         return None
     owner = shm.verify_probe(offer.probe, offer.nonce)
     if owner is None or not shm.can_share_with(owner):
         return None  # another host, or a user that could not open this server's rings
-    return ShmSender(owner, max_ring_bytes)
+    return ShmSender(owner, max_ring_bytes, client_silence)
 
 
 class ShmSender:
@@ -44,13 +56,25 @@ class ShmSender:
 
     The ring is made for the first batch's size (shm.RING_BATCHES of them) and made again,
     larger, when a batch outgrows it; a batch bigger than `max_ring_bytes`, or any batch after
-    /dev/shm refused a ring, goes as plain Frames.
+    /dev/shm refused a ring, goes as plain Frames. Every wait for the client ends when its
+    heartbeat stands still for `client_silence` seconds (ClientSilent).
     """
 
-    def __init__(self, owner_uid: int, max_ring_bytes: int) -> None:
+    def __init__(
+        self,
+        owner_uid: int,
+        max_ring_bytes: int,
+        client_silence: float = DEFAULT_CLIENT_SILENCE,
+    ) -> None:
         self.owner_uid = owner_uid
         self.max_ring_bytes = max_ring_bytes
+        self.client_silence = client_silence
         self.ring: shm.RingWriter | None = None
+        # The ring before the last growth, kept mapped until the client opens the new one: a
+        # client still reading its batches beats there (NOTE [ Ring space ]).
+        self._previous: shm.RingWriter | None = None
+        self._beats = 0  # the heartbeats seen last, and since when (monotonic)
+        self._beat_at = 0.0
         self.disabled = False  # /dev/shm refused a ring: the rest of the stream goes as Frames
         self.batches = 0  # sent through shared memory
 
@@ -64,8 +88,14 @@ class ShmSender:
         ring = self._ring_for(len(blob), stopped)
         if ring is None:
             return None
-        placed = ring.place(blob, stopped)
+        waiting = self._waiting(stopped)
+        placed = ring.place(blob, waiting)
         if placed is None:
+            if waiting.silent:
+                raise ClientSilent(
+                    f"the client made no room in its shared-memory ring and gave no sign of life "
+                    f"for {self.client_silence:g} s"
+                )
             raise StreamStopped()
         offset, release = placed
         self.batches += 1
@@ -77,6 +107,25 @@ class ShmSender:
                 ring=ring.name, ring_bytes=ring.capacity, offset=offset, release=release
             ),
         )
+
+    def _waiting(self, stopped: Callable[[], bool]) -> _ClientWait:
+        """A `stopped()` for one wait on the client that also turns true, marking itself
+        `silent`, once the client's heartbeat has stood still for client_silence seconds."""
+        self._beats, self._beat_at = self._heartbeats(), time.monotonic()
+        return _ClientWait(stopped, self._silent)
+
+    def _heartbeats(self) -> int:
+        if self._previous is not None and self.ring is not None and self.ring.attached():
+            self._previous.close()  # the client has moved on to the new ring
+            self._previous = None
+        return sum(r.heartbeat() for r in (self.ring, self._previous) if r is not None)
+
+    def _silent(self) -> bool:
+        beats, now = self._heartbeats(), time.monotonic()
+        if beats != self._beats:
+            self._beats, self._beat_at = beats, now
+            return False
+        return now - self._beat_at >= self.client_silence
 
     def _ring_for(self, nbytes: int, stopped: Callable[[], bool]) -> shm.RingWriter | None:
         if self.disabled:
@@ -95,7 +144,9 @@ class ShmSender:
             # The client drops the old ring when it reads the first frame naming the new one,
             # having read the old one's batches by then; its name may go once it has opened it.
             self.finish(stopped)
-            self.close()
+            if self._previous is not None:
+                self._previous.close()
+            self._previous, self.ring = self.ring, None
         try:
             self.ring = shm.RingWriter(capacity, self.owner_uid)
         except shm.ShmUnavailable as exc:
@@ -105,18 +156,39 @@ class ShmSender:
         return self.ring
 
     def finish(self, stopped: Callable[[], bool]) -> None:
-        """Before the stream ends: waits until the client has opened the ring, which it does
-        when it reads the first frame naming it (it may be a few batches behind).
+        """Before the stream ends or moves to a larger ring: waits until the client has opened
+        the ring, which it does when it reads the first frame naming it (it may be a few
+        batches behind). A client silent for client_silence seconds is not waited for: should
+        it wake, it cannot open the ring and goes on over gRPC from the batch it needs.
 
         Raises StreamStopped when `stopped()` turned true first.
         """
-        if self.ring is not None and not self.ring.wait_attached(stopped):
+        if self.ring is None:
+            return
+        waiting = self._waiting(stopped)
+        if not self.ring.wait_attached(waiting) and not waiting.silent:
             raise StreamStopped()
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        """Unlinks the ring's name if the client has not, and drops this side's mappings."""
+        for ring in (self.ring, self._previous):
+            if ring is not None:
+                ring.close()
+        self.ring = self._previous = None
+
+
+class _ClientWait:
+    """`stopped` for one wait on the client, which also ends once `silent()` says so."""
+
+    def __init__(self, stopped: Callable[[], bool], silent: Callable[[], bool]) -> None:
+        self._stopped, self._silent = stopped, silent
+        self.silent = False
+
+    def __call__(self) -> bool:
+        if self._stopped():
+            return True
+        self.silent = self._silent()
+        return self.silent
 
 
 class DataConnectionLost(Exception):
@@ -126,8 +198,9 @@ class DataConnectionLost(Exception):
 class TcpSender:
     """Sends a stream's batches on its data connection; owns the socket until `close()`."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, client_silence: float = DEFAULT_CLIENT_SILENCE) -> None:
         self.sock = sock
+        self.client_silence = client_silence
         self.batches = 0  # sent on the data connection
 
     @staticmethod
@@ -140,11 +213,14 @@ class TcpSender:
         reads the socket only once it has it, so the order is what keeps both from waiting).
 
         Raises StreamStopped when `stopped()` turned true first, DataConnectionLost when the
-        client has gone.
+        client has gone, ClientSilent when it stopped reading and beating (NOTE [ TCP data
+        connection ]).
         """
         try:
-            if not tcp.send(self.sock, blob, stopped):
+            if not tcp.send(self.sock, blob, stopped, self.client_silence):
                 raise StreamStopped()
+        except tcp.SilentClientError as exc:
+            raise ClientSilent(str(exc)) from exc
         except OSError as exc:
             raise DataConnectionLost(str(exc)) from exc
         self.batches += 1
