@@ -304,8 +304,9 @@ class LoaderService:
                 else:
                     tcp_sender = TcpSender(sock, self.client_silence)
             consumer = host.attach(membership, seed, request.epoch, start)
-            # Detach at once when the client goes, even if this thread is stuck sending.
-            context.add_callback(consumer.close)
+            # Detach at once when the client goes, even if this thread is stuck sending; only
+            # marking: the callback runs on gRPC's thread (NOTE [ Sharing ]).
+            context.add_callback(consumer.let_go)
             shared_frames = membership.sharing == "broadcast"
 
             def stopped() -> bool:

@@ -43,6 +43,9 @@ from remote_loader.server.worker import RemoteError
 log = logging.getLogger(__name__)
 
 DEFAULT_JOB = "default"
+# The most a stream's handler waits for the Run it ended to give its engine back (a
+# non-persistent pool joins its workers, NOTE [ Pool Shutdown ]); the Run finishes on its own.
+RUN_JOIN_TIMEOUT = 60.0
 # A partition or dynamic lane keeps at most this many batches made and not yet sent, unless
 # the pool keeps more in flight (prefetch_factor * num_workers), which then is the bound.
 MIN_LANE_WINDOW = 2
@@ -58,7 +61,10 @@ MIN_LANE_WINDOW = 2
 # last consumer detaches (end of its stream, a client that went away, or a stalled broadcast
 # consumer detached after `detach_timeout`). Ending it joins its thread, which gives the engine
 # back (see NOTE [ Pool Shutdown ] in server/pool.py) before the last consumer's end frame is
-# sent, so the next epoch of the same trainer finds the persistent pool free.
+# sent, so the next epoch of the same trainer finds the persistent pool free. The join is the
+# stream handler's (Consumer.close, at most RUN_JOIN_TIMEOUT), never gRPC's cancellation
+# callback's: that one only marks (Consumer.let_go), since it runs on the thread that serves
+# every other call, and a join there stalled health checks for seconds.
 #
 # Who joins what: a partition rank joins the newest Run of its key whose lane for that rank
 # nobody has claimed yet, its lane beginning at the consumer's start; a broadcast consumer joins
@@ -336,7 +342,8 @@ class Consumer:
         self._holding: list[Entry] = []
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
-        self._on_close: Callable[[Consumer], None] = lambda consumer: None
+        # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
+        self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
 
     def next(self, cancelled: threading.Event) -> Entry | None:
         """The next entry to send, or None at the end of this consumer's epoch (or once
@@ -402,8 +409,15 @@ class Consumer:
         self.metrics.sent(entry.nbytes, entry.error is not None)
 
     def close(self) -> None:
-        """Detaches from the Run (idempotent); the last consumer out ends it."""
-        self._on_close(self)
+        """Detaches from the Run (idempotent); the last consumer out ends it, and this waits,
+        at most RUN_JOIN_TIMEOUT, for the Run's thread to give its engine back."""
+        self._on_close(self, True)
+
+    def let_go(self) -> None:
+        """Detaches from the Run without waiting for anything: for gRPC's cancellation
+        callback, which runs on the thread that serves every call (a join there stalls the
+        whole server). The stream's own `close()` in its handler does the waiting."""
+        self._on_close(self, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -773,7 +787,7 @@ class Runs:
             consumer._on_close = self._detach
         return consumer
 
-    def _detach(self, consumer: Consumer) -> None:
+    def _detach(self, consumer: Consumer, join: bool) -> None:
         run = consumer.run
         with self._lock:
             last = run.detach(consumer)
@@ -783,8 +797,13 @@ class Runs:
                     runs.remove(run)
                 if not runs:
                     self._runs.pop(run.key, None)
-        if last:
-            run.wait_closed()
+        # The Run may have ended with this consumer's let_go() (a cancel): its close() waits.
+        if join and (last or run.closing) and not run.wait_closed(RUN_JOIN_TIMEOUT):
+            log.warning(
+                "loader %r: a Run still gives its workers back after %g s; not waiting longer",
+                self.spec.name,
+                RUN_JOIN_TIMEOUT,
+            )
 
     def active(self) -> list[Run]:
         with self._lock:

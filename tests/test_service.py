@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remote_loader.client import (
     ConnectionLostError,
@@ -18,9 +19,11 @@ from remote_loader.client import (
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import StartServer, process_alive
+from tests.conftest import ServeLoaders, StartServer, process_alive, raw_stream, wait_until
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
+# A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
+BUSY_MACHINE = 30.0
 FAILING = LoaderSpec(
     name="failing",
     dataset="tests.datasets:Failing",
@@ -163,3 +166,39 @@ def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
     while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids and not any(process_alive(pid) for pid in pids)
+
+
+def test_cancelled_streams_do_not_stall_other_calls(serve_loaders: ServeLoaders) -> None:
+    """A cancel's cleanup (the Run's join, a non-persistent pool joining workers busy in a 3 s
+    `__getitem__`) happens off gRPC's thread: unary calls and health stay quick meanwhile."""
+    served = serve_loaders(
+        LoaderSpec(
+            name="sleepy",
+            dataset="tests.datasets:Slow",
+            dataset_kwargs={"n": 40, "seconds": 3.0},
+            num_workers=2,
+        )
+    )
+    host = served.hosts["sleepy"]
+    slowest = 0.0
+    with grpc.insecure_channel(served.address) as channel:
+        describe = channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        )
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(3):
+            stream_channel, call = raw_stream(served.address, pb.StreamRequest())
+            # Workers are in __getitem__ now: their pool joins them when the stream ends.
+            assert wait_until(lambda: bool(host.runs.active()), BUSY_MACHINE)
+            call.cancel()
+            stream_channel.close()
+            for _ in range(5):
+                asked = time.monotonic()
+                describe(pb.DescribeRequest(), timeout=BUSY_MACHINE)
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
+                slowest = max(slowest, time.monotonic() - asked)
+    # Unstalled, both answer in milliseconds; stalled, they waited for worker joins (seconds).
+    assert slowest < 1.0, slowest
+    assert wait_until(lambda: not host.runs.active(), BUSY_MACHINE)
