@@ -250,6 +250,9 @@ class LoaderService:
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
         start = request.start
+        problem = check_positions(host, membership, seed, request.epoch, start)
+        if problem is not None:  # before anything reads the dataset
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
         context.add_callback(cancelled.set)
@@ -423,6 +426,38 @@ class LoaderService:
                     **outcome,
                 ),
             )
+
+
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
+# seed + epoch (server/sampling.py).
+_GENERATOR_SEEDS = (-(2**63), 2**64 - 1)
+# A stream's positions travel as uint64 (Frame.batch, StreamEnd.batches) and are counted on from
+# `start`: a start past this could not be numbered to the end of any epoch.
+MAX_START = 2**63 - 1
+
+
+def check_positions(
+    host: LoaderHost, membership: Membership, seed: int, epoch: int, start: int
+) -> str | None:
+    """What is wrong with a stream's seed, epoch and start, or None: checked before any read."""
+    low, high = _GENERATOR_SEEDS
+    if not low <= seed + epoch <= high:
+        return (
+            f"seed + epoch must be between {low} and {high} (the epoch's generator is seeded "
+            f"with their sum, as DistributedSampler does), got seed {seed} and epoch {epoch}"
+        )
+    try:
+        length = host.length(membership)
+    except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
+        if start > MAX_START:
+            return f"start must be between 0 and {MAX_START}, got {start}"
+        return None
+    if start > length:
+        return (
+            f"start must be between 0 and {length} (this consumer's batches in an epoch of "
+            f"loader {host.spec.name!r}), got {start}"
+        )
+    return None
 
 
 def _blob(entry: Entry) -> memoryview:

@@ -43,6 +43,9 @@ from remote_loader.server.worker import RemoteError
 log = logging.getLogger(__name__)
 
 DEFAULT_JOB = "default"
+# Ranks in one job. DistributedSampler pads every rank's share to world_size * ceil(n /
+# world_size) indices: a request naming 2**32 - 1 ranks would build billions of them.
+MAX_WORLD_SIZE = 1 << 20
 # The most a stream's handler waits for the Run it ended to give its engine back (a
 # non-persistent pool joins its workers, NOTE [ Pool Shutdown ]); the Run finishes on its own.
 RUN_JOIN_TIMEOUT = 60.0
@@ -122,8 +125,10 @@ class Membership:
                 f"loader {spec.name!r} does not allow sharing={self.sharing!r}; it allows "
                 f"{', '.join(spec.sharing)} (the server's `sharing` option)"
             )
-        if self.world_size < 1:
-            raise SharingError(f"world_size must be at least 1, got {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise SharingError(
+                f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {self.world_size}"
+            )
         if not 0 <= self.rank < self.world_size:
             raise SharingError(
                 f"rank {self.rank} is out of range for world_size {self.world_size}: "

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from remote_loader.protos import wire
 from remote_loader.server.service import create_server
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ROOT, ServeLoaders
+from tests.datasets import read_counts
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
 # A stream of this loader stays open for a while: 40 samples of 0.25 s, made one at a time.
@@ -168,3 +170,52 @@ def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     assert (failed["outcome"], failed["status"]) == ("error", "FAILED_PRECONDITION")
     assert "cannot make batches" in failed["error"]
     assert cancelled["outcome"] == "cancelled" and "status" not in cancelled
+
+
+U64, I64 = 2**64 - 1, 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "sharing", "message"),
+    [
+        ({"seed": I64, "epoch": U64}, "partition", r"seed \+ epoch must be between"),
+        ({"seed": -(2**63), "epoch": 0}, "partition", None),  # the least seed torch takes
+        ({"seed": 1, "epoch": U64}, "broadcast", r"seed \+ epoch must be between"),
+        ({"start": U64}, "partition", r"start must be between 0 and 24 \(this consumer"),
+        ({"start": U64}, "broadcast", r"start must be between 0 and 48 \(this consumer"),
+        ({"start": 25}, "partition", r"start must be between 0 and 24 .*, got 25$"),
+        ({"start": 24}, "partition", None),  # nothing left to send: a legal resume
+        ({"start": U64}, "dynamic", rf"start must be between 0 and {I64}, got {U64}"),
+    ],
+)
+def test_out_of_range_positions_are_refused_before_any_read(
+    serve_loaders: ServeLoaders,
+    tmp_path: Path,
+    request_fields: dict[str, int],
+    sharing: str,
+    message: str | None,
+) -> None:
+    log = str(tmp_path / "reads")
+    served = serve_loaders(
+        LoaderSpec(
+            name="counted",
+            dataset="tests.datasets:Counted",
+            dataset_kwargs={"log": log, "n": 48},
+            num_workers=2,
+        )
+    )
+    consumer = pb.Consumer(sharing=sharing, rank=1, world_size=2)
+    request = pb.StreamRequest(loader="counted", consumer=consumer, **request_fields)
+    if message is None:
+        with grpc.insecure_channel(served.address) as channel:
+            frames = channel.unary_stream(
+                wire.STREAM_METHOD,
+                request_serializer=pb.StreamRequest.SerializeToString,
+                response_deserializer=pb.Frame.FromString,
+            )(request, timeout=30)
+            assert list(frames)[-1].HasField("end")
+        return
+    error, _ = _stream_error(served.address, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert re.search(message, error.details() or ""), error.details()
+    assert read_counts(log) == {}  # refused before the dataset was touched

@@ -497,7 +497,8 @@ def test_wrong_membership_is_invalid_argument(start_server: StartServer) -> None
             "rank": 2,
             "world_size": 2,
         },
-        r"world_size must be at least 1, got 0": {"world_size": 0},
+        r"world_size must be between 1 and 1048576, got 0": {"world_size": 0},
+        r"world_size must be between 1 and 1048576, got 4294967295": {"world_size": 2**32 - 1},
         r"unknown sharing mode 'gossip'; the modes are partition, broadcast, dynamic": {
             "sharing": "gossip"
         },
