@@ -105,7 +105,9 @@ def batches(draw: st.DrawFn) -> list[dict[str, Any]]:
 def _expected(path: Path, sharing: str, rank: int) -> list[Any]:
     dataset = Drawn(str(path))
     if sharing == "partition":
-        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=2, rank=rank, shuffle=False
+        )
         return list(DataLoader(dataset, batch_size=None, sampler=sampler))
     return list(DataLoader(dataset, batch_size=None))
 

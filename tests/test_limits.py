@@ -205,7 +205,9 @@ def test_out_of_range_positions_are_refused_before_any_read(
         )
     )
     consumer = pb.Consumer(sharing=sharing, rank=1, world_size=2)
-    request = pb.StreamRequest(loader="counted", consumer=consumer, **request_fields)
+    request = pb.StreamRequest(loader="counted", consumer=consumer)
+    for field, value in request_fields.items():
+        setattr(request, field, value)
     if message is None:
         with grpc.insecure_channel(served.address) as channel:
             frames = channel.unary_stream(
