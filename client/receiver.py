@@ -231,7 +231,7 @@ class Receiver(threading.Thread):
     def _put(self, item: Item) -> bool:
         while not self._stopped.is_set():
             try:
-                self._out_q.put(item, timeout=shm.HEARTBEAT_INTERVAL)
+                self._out_q.put(item, timeout=POLL_INTERVAL)
                 return True
             except queue.Full:
                 # The training loop is busy: tell the server, which may be waiting for room in

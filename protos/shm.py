@@ -65,8 +65,8 @@ ever go up within a stream, so a stream whose batches shrink keeps its ring. A b
 than max_ring_bytes goes as plain Frames and the ring stays as it is. Every wait for room ends
 when the stream is cancelled (the client closed or died), when the consumer is detached
 (broadcast's detach_timeout), or when the client's heartbeat stops: its receiver bumps a
-counter in the ring's header every HEARTBEAT_INTERVAL while it holds the ring, also while its
-queue is full, so a training loop may pause for as long as it likes, but a client that is
+counter in the ring's header on every release and, while its queue is full, on every poll
+(0.1 s), so a training loop may pause for as long as it likes, but a client that is
 frozen (SIGSTOP, a hung host, a GIL held for good) is let go after the server's
 `client_silence` seconds (keepalive_time_ms + keepalive_timeout_ms, 30 s by default): the
 stream ends with UNAVAILABLE and its ring is freed. gRPC's own keepalive does not cover this:
@@ -111,9 +111,6 @@ RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
 _HEARTBEAT_AT = 16
-# The client's receiver bumps the heartbeat at least this often while it holds the ring, also
-# while its queue is full (a training loop that pauses for minutes still has a live receiver).
-HEARTBEAT_INTERVAL = 0.1
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -381,7 +378,7 @@ class RingReader:
         self.beat()
 
     def beat(self) -> None:
-        """Tells the server this client is alive (its receiver runs): see HEARTBEAT_INTERVAL."""
+        """Tells the server this client is alive (its receiver runs): NOTE [ Ring space ]."""
         if self._data is not None:
             self._beats += 1
             _CURSOR.pack_into(self._mm, _HEARTBEAT_AT, self._beats)

@@ -30,8 +30,9 @@ class StreamStopped(Exception):
 
 
 class ClientSilent(Exception):
-    """The client's ring heartbeat stood still for `client_silence` seconds while the server
-    waited for it to make room: the client is frozen or gone (NOTE [ Ring space ])."""
+    """The client gave no heartbeat (ring counter or data-connection byte) for `client_silence`
+    seconds while the server waited on it: it is frozen or gone (NOTE [ Ring space ], NOTE [ TCP
+    data connection ])."""
 
 
 # How long a client may leave its ring's heartbeat still while the server waits on it, unless

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -24,9 +23,9 @@ import time
 import pytest
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader
-from remote_loader.protos import shm
 from remote_loader.server.spec import LoaderSpec
-from tests.conftest import ServeLoaders, StartServer, subprocess_env, wait_until
+from tests.conftest import Served, ServeLoaders, StartServer, subprocess_env, wait_until
+from tests.test_shm import rings
 
 TRANSPORTS = [("auto", "shm"), ("tcp", "tcp"), ("grpc", "grpc")]
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
@@ -62,6 +61,21 @@ def test_a_server_that_stops_writing_ends_in_the_clients_timeout(
         assert time.monotonic() - closing < BUSY_MACHINE  # the stream is cancelled, not drained
 
 
+def serve_blobs(serve_loaders: ServeLoaders, n: int) -> Served:
+    """`n` batches of 1 MB (the ring, the socket buffers or gRPC's window fill in a few), from
+    a server whose keepalive lets a silent client go after 0.5 + 1 s."""
+    return serve_loaders(
+        LoaderSpec(
+            name="blobs",
+            dataset="tests.datasets:Blobs",
+            dataset_kwargs={"n": n, "nbytes": 1 << 20},
+            num_workers=1,
+        ),
+        keepalive_time_ms=500,
+        keepalive_timeout_ms=1000,
+    )
+
+
 FROZEN_CLIENT = textwrap.dedent(
     """
     import sys
@@ -85,17 +99,8 @@ def test_a_frozen_client_is_let_go_after_the_keepalive(
     serve_loaders: ServeLoaders, transport: str, way: str
 ) -> None:
     # 1 MB batches: the ring (4 of them), the socket buffers or gRPC's window fill quickly.
-    served = serve_loaders(
-        LoaderSpec(
-            name="blobs",
-            dataset="tests.datasets:Blobs",
-            dataset_kwargs={"n": 400, "nbytes": 1 << 20},
-            num_workers=1,
-        ),
-        keepalive_time_ms=500,
-        keepalive_timeout_ms=1000,
-    )
-    rings_before = {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.RING_PREFIX)}
+    served = serve_blobs(serve_loaders, 400)
+    rings_before = rings()
     client = subprocess.Popen(
         [sys.executable, "-c", FROZEN_CLIENT, served.address, transport],
         env=subprocess_env(),
@@ -113,13 +118,7 @@ def test_a_frozen_client_is_let_go_after_the_keepalive(
         # (1.5 s) the server ends the stream where it waits.
         assert served.server.service.wait_streams(BUSY_MACHINE), "the stream still runs"
         assert wait_until(lambda: not host.runs.active(), BUSY_MACHINE), "the Run still runs"
-        assert wait_until(
-            lambda: (
-                not {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.RING_PREFIX)}
-                - rings_before
-            ),
-            BUSY_MACHINE,
-        )
+        assert wait_until(lambda: not rings() - rings_before, BUSY_MACHINE)
     finally:
         client.kill()
         client.communicate(timeout=BUSY_MACHINE)  # reaps it and closes the pipes
@@ -129,16 +128,7 @@ def test_a_frozen_client_is_let_go_after_the_keepalive(
 def test_a_training_loop_that_pauses_longer_than_the_keepalive_keeps_its_stream(
     serve_loaders: ServeLoaders, transport: str, way: str
 ) -> None:
-    served = serve_loaders(
-        LoaderSpec(
-            name="blobs",
-            dataset="tests.datasets:Blobs",
-            dataset_kwargs={"n": 24, "nbytes": 1 << 20},
-            num_workers=1,
-        ),
-        keepalive_time_ms=500,
-        keepalive_timeout_ms=1000,
-    )
+    served = serve_blobs(serve_loaders, 24)
     with RemoteLoader(served.address, transport=transport, device="cpu", retries=0) as loader:
         it = iter(loader)
         first = next(it)
