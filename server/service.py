@@ -250,7 +250,7 @@ class LoaderService:
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
         start = request.start
-        problem = check_positions(host, membership, seed, request.epoch, start)
+        problem = check_positions(host, membership, request.epoch, start)
         if problem is not None:  # before anything reads the dataset
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         cancelled = threading.Event()
@@ -429,22 +429,21 @@ class LoaderService:
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
-# seed + epoch (server/sampling.py).
-_GENERATOR_SEEDS = (-(2**63), 2**64 - 1)
+# seed + epoch (server/sampling.py), and a DistributedSampler-style sampler seeds its own
+# generator with its seed + epoch. Seeds are int64 (request and spec), so an epoch of at most
+# 2**63 - 1 keeps every such sum in range whatever the seed.
+MAX_EPOCH = 2**63 - 1
 # A stream's positions travel as uint64 (Frame.batch, StreamEnd.batches) and are counted on from
 # `start`: a start past this could not be numbered to the end of any epoch.
 MAX_START = 2**63 - 1
 
 
-def check_positions(
-    host: LoaderHost, membership: Membership, seed: int, epoch: int, start: int
-) -> str | None:
-    """What is wrong with a stream's seed, epoch and start, or None: checked before any read."""
-    low, high = _GENERATOR_SEEDS
-    if not low <= seed + epoch <= high:
+def check_positions(host: LoaderHost, membership: Membership, epoch: int, start: int) -> str | None:
+    """What is wrong with a stream's epoch and start, or None: checked before any read."""
+    if epoch > MAX_EPOCH:
         return (
-            f"seed + epoch must be between {low} and {high} (the epoch's generator is seeded "
-            f"with their sum, as DistributedSampler does), got seed {seed} and epoch {epoch}"
+            f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
+            f"seed + epoch, as DistributedSampler does), got {epoch}"
         )
     try:
         length = host.length(membership)

@@ -231,7 +231,8 @@ class _Lane:
 
     def __init__(self, in_order: bool, window: int) -> None:
         self.in_order = in_order
-        self.tasks: Iterator[Any] | None = None  # None: a partition lane no rank has claimed
+        self.tasks: Iterator[Any] | None = None  # None: not begun
+        self.rank = 0  # partition: the rank whose share this lane makes
         self.window = window
         self.reorder: Reorderer[Delivery | None] = Reorderer(in_order=in_order)
         self.issued = 0  # lane-local task ids handed out
@@ -465,19 +466,18 @@ class Run:
         # task id -> (lane, lane-local id, when it was submitted)
         self._tasks: dict[int, tuple[_Lane, int, float]] = {}
         self._turn = 0  # the lane whose turn it is to submit next
+        # A queue lane's window; set again once the engine (and its max_outstanding) is known.
+        self._window = MIN_LANE_WINDOW
         in_order = spec.in_order
-        # Lane windows are set again once the engine (and its max_outstanding) is known.
-        # Partition lanes begin when their rank claims them; the others begin now, at the first
-        # consumer's start (dynamic consumers never skip: their positions are their own).
-        if key.sharing == "partition":
-            self.lanes: list[_Lane] = [
-                _QueueLane(in_order, MIN_LANE_WINDOW) for _ in range(key.world_size)
-            ]
-        elif key.sharing == "broadcast":
-            self.lanes = [_BroadcastLane(in_order, spec.broadcast_window)]
+        # A partition lane is made when its rank claims it (a job of 2**20 ranks costs what its
+        # joined ranks cost); the other modes' lane begins now, at the first consumer's start
+        # (dynamic consumers never skip: their positions are their own).
+        self.lanes: list[_Lane] = []
+        if key.sharing == "broadcast":
+            self.lanes.append(_BroadcastLane(in_order, spec.broadcast_window))
             self.lanes[0].begin(plan.lane(0), start, iterable)
-        else:
-            self.lanes = [_QueueLane(in_order, MIN_LANE_WINDOW)]
+        elif key.sharing == "dynamic":
+            self.lanes.append(_QueueLane(in_order, self._window))
             self.lanes[0].begin(plan.lane(0), 0, iterable)
         # broadcast with a known group: nothing is retired until all of it has joined (or
         # detach_timeout has passed), so consumers that start a little apart still share.
@@ -505,10 +505,12 @@ class Run:
                 return None
             mode = self.key.sharing
             if mode == "partition":
-                lane = self.lanes[membership.rank]
-                if lane.tasks is not None:
+                if membership.rank in self.ranks_joined:
                     return None  # that rank's share is already taken: a new Run makes it again
+                lane = _QueueLane(self.spec.in_order, self._window)
+                lane.rank = membership.rank
                 lane.begin(self.plan.lane(membership.rank), start, self._iterable)
+                self.lanes.append(lane)
             elif mode == "broadcast":
                 lane = self.lanes[0]
                 assert isinstance(lane, _BroadcastLane)
@@ -585,11 +587,11 @@ class Run:
             # The lease may wait for the job's persistent workers; it gives up once this Run
             # closes, so the last consumer's detach (on gRPC's callback thread) is not held.
             with self._lease(lambda: self.closing) as engine:
-                window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                 with self.cond:
+                    self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                     for lane in self.lanes:
                         if not isinstance(lane, _BroadcastLane):
-                            lane.window = window
+                            lane.window = self._window
                 engine.begin_epoch(self.plan.base_seed)
                 try:
                     while self._step(engine):
@@ -628,8 +630,7 @@ class Run:
             self._submit(engine)
             if engine.outstanding == 0:
                 if all(lane.complete for lane in self.lanes) and (
-                    self.key.sharing != "partition"
-                    or all(lane.tasks is not None for lane in self.lanes)
+                    self.key.sharing != "partition" or len(self.lanes) == self.key.world_size
                 ):
                     self.cond.notify_all()
                     return False  # everything is made; the entries stay until sent
@@ -688,7 +689,7 @@ class Run:
         k * w + r, so every batch of an epoch has its own index whatever the split."""
         if self.key.sharing != "partition":
             return lane.issued
-        return lane.issued * self.key.world_size + self.lanes.index(lane)
+        return lane.issued * self.key.world_size + lane.rank
 
     def _retire(self, lane: _BroadcastLane) -> None:
         """Retires the batches every consumer has sent, and detaches a consumer that has held

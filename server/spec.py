@@ -86,6 +86,11 @@ class LoaderSpec:
             raise ConfigError(
                 f"{where}: seeding must be one of {', '.join(SEEDING_MODES)}, got {self.seeding!r}"
             )
+        if not -(2**63) <= self.seed <= 2**63 - 1:
+            # LoaderInfo.seed is an int64: a seed outside it could not be told to clients.
+            raise ConfigError(
+                f"{where}: seed must be between {-(2**63)} and {2**63 - 1} (int64), got {self.seed}"
+            )
         if self.broadcast_window < 1:
             raise ConfigError(
                 f"{where}: broadcast_window must be at least 1 batch, got {self.broadcast_window}"

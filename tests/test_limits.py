@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ from remote_loader.client import RemoteLoader, RequestError, ServerError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.service import create_server
+from remote_loader.server.sharing import MAX_WORLD_SIZE
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ROOT, ServeLoaders
 from tests.datasets import read_counts
@@ -173,14 +175,18 @@ def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
 
 
 U64, I64 = 2**64 - 1, 2**63 - 1
+EPOCH_RANGE = rf"epoch must be between 0 and {I64} .*, got {U64}$"
 
 
 @pytest.mark.parametrize(
     ("request_fields", "sharing", "message"),
     [
-        ({"seed": I64, "epoch": U64}, "partition", r"seed \+ epoch must be between"),
+        ({"seed": I64, "epoch": U64}, "partition", EPOCH_RANGE),
         ({"seed": -(2**63), "epoch": 0}, "partition", None),  # the least seed torch takes
-        ({"seed": 1, "epoch": U64}, "broadcast", r"seed \+ epoch must be between"),
+        ({"seed": I64, "epoch": I64}, "partition", None),  # the greatest sum: 2**64 - 2
+        ({"seed": 1, "epoch": U64}, "broadcast", EPOCH_RANGE),
+        # In range as a sum, but a sampler's own seed + epoch would not be: refused alike.
+        ({"seed": -(2**63), "epoch": U64}, "dynamic", EPOCH_RANGE),
         ({"start": U64}, "partition", r"start must be between 0 and 24 \(this consumer"),
         ({"start": U64}, "broadcast", r"start must be between 0 and 48 \(this consumer"),
         ({"start": 25}, "partition", r"start must be between 0 and 24 .*, got 25$"),
@@ -221,3 +227,57 @@ def test_out_of_range_positions_are_refused_before_any_read(
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert re.search(message, error.details() or ""), error.details()
     assert read_counts(log) == {}  # refused before the dataset was touched
+
+
+@pytest.mark.parametrize(("epoch", "refused"), [(I64, False), (2**63, True), (U64, True)])
+def test_a_samplers_own_seed_plus_the_epoch_stays_in_range(
+    serve_loaders: ServeLoaders, epoch: int, refused: bool
+) -> None:
+    # DistributedSampler seeds its generator with its own seed + epoch (set_epoch): any epoch
+    # the server accepts must keep that sum within torch's range, whatever the request's seed.
+    served = serve_loaders(
+        LoaderSpec(
+            name="own-seed",
+            dataset="tests.datasets:Squares",
+            dataset_kwargs={"n": 8},
+            sampler="torch.utils.data:DistributedSampler",
+            sampler_kwargs={"num_replicas": 1, "rank": 0, "seed": 2**63 - 1},
+        )
+    )
+    request = pb.StreamRequest(loader="own-seed", epoch=epoch, seed=-(2**63))
+    if refused:
+        error, _ = _stream_error(served.address, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        expected = rf"epoch must be between 0 and {I64} .*, got {epoch}$"
+        assert re.search(expected, error.details() or ""), error.details()
+        return
+    with grpc.insecure_channel(served.address) as channel:
+        frames = channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
+        )(request, timeout=30)
+        assert list(frames)[-1].end.batches == 8
+
+
+def test_the_largest_job_costs_what_its_joined_ranks_cost(serve_loaders: ServeLoaders) -> None:
+    # One rank of a 2**20-rank partition: the server must not build state for the ranks that
+    # never join (it once built a lane per rank, 1.1 GB and 6 s before the first batch).
+    served = serve_loaders(LoaderSpec(name="wide", dataset="tests.datasets:Squares", batch_size=4))
+    consumer = pb.Consumer(sharing="partition", rank=3, world_size=MAX_WORLD_SIZE)
+    tracemalloc.start()
+    try:
+        with grpc.insecure_channel(served.address) as channel:
+            frames = channel.unary_stream(
+                wire.STREAM_METHOD,
+                request_serializer=pb.StreamRequest.SerializeToString,
+                response_deserializer=pb.Frame.FromString,
+            )(pb.StreamRequest(loader="wide", consumer=consumer), timeout=120)
+            end = list(frames)[-1]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # DistributedSampler pads the 50 samples to one per rank: rank 3 gets sample 3 alone.
+    assert end.end.batches == 1
+    # The padded index list of 2**20 ints is the one thing this size must cost (~40 MB).
+    assert peak < 200 << 20, f"{peak / 2**20:.0f} MiB traced for one joined rank"

@@ -199,3 +199,10 @@ def test_dataset_factory_error_fails_at_start() -> None:
     spec = LoaderSpec(name="x", dataset="tests.datasets:Squares", dataset_kwargs={"m": 1})
     with pytest.raises(TypeError, match="unexpected keyword argument 'm'"):
         LoaderHost(spec, multiprocessing.get_context("forkserver"))
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_outside_int64_is_refused(seed: int) -> None:
+    # `--seed` takes any integer; LoaderInfo.seed, which tells clients the seed, is an int64.
+    with pytest.raises(ConfigError, match=rf"seed must be between .* \(int64\), got {seed}$"):
+        LoaderSpec(name="a", dataset="m:f", seed=seed)
