@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # How long a blocked get on the result queue waits before it checks whether the workers are
 # alive. Short, because it also bounds how fast a run notices it has been closed.
 POLL_INTERVAL = 0.1
-# How long shutdown waits for a worker to exit on its own before terminating it.
+# How long shutdown waits, in all, for the workers to exit on their own before terminating them.
 WORKER_JOIN_TIMEOUT = 5.0
 # How many times a batch is tried when its worker dies while making it (a sample that crashes
 # its worker every time is then delivered as an error at its position).
@@ -88,7 +88,9 @@ MAX_TASK_ATTEMPTS = 3
 # its loader is closed (persistent pools) and when the server stops:
 #   1. current_epoch.value = -1, so workers skip whatever is still queued for them;
 #   2. put None on every index queue (workers exit after their current task);
-#   3. join each worker for WORKER_JOIN_TIMEOUT, then terminate, then kill, what remains;
+#   3. join the workers for WORKER_JOIN_TIMEOUT in all (one deadline, not one per worker: 16
+#      workers stuck in a slow __getitem__ would otherwise hold the Run's thread for 80 s), then
+#      terminate what remains, then kill it, waiting at most a second for each step;
 #   4. close the index queues without waiting for their feeder threads (cancel_join_thread),
 #      since a dead reader would make that wait forever, and the result pipes.
 # A worker that finds the server gone exits by itself (see _server_alive in server/worker.py),
@@ -581,19 +583,21 @@ class WorkerPool:
         for q in self._index_queues:
             with contextlib.suppress(OSError, ValueError):  # already closed
                 q.put(None)
-        for w in self._workers:
-            w.join(timeout=WORKER_JOIN_TIMEOUT)
-            if w.is_alive():
-                log.warning(
-                    "worker pid %s did not exit in %.0f s; terminating it",
-                    w.pid,
-                    WORKER_JOIN_TIMEOUT,
-                )
+        _join_all(self._workers, WORKER_JOIN_TIMEOUT)
+        late = [w for w in self._workers if w.is_alive()]
+        if late:
+            log.warning(
+                "worker pid(s) %s did not exit in %.0f s; terminating them",
+                ", ".join(str(w.pid) for w in late),
+                WORKER_JOIN_TIMEOUT,
+            )
+            for w in late:
                 w.terminate()
-                w.join(timeout=1.0)
+            _join_all(late, 1.0)
+            for w in late:
                 if w.is_alive():
                     w.kill()
-                    w.join(timeout=1.0)
+            _join_all(late, 1.0)
         self._slots.clear()
         for q in self._index_queues:
             q.cancel_join_thread()
@@ -601,3 +605,10 @@ class WorkerPool:
         for reader in self._results:
             if reader is not None:
                 reader.close()
+
+
+def _join_all(processes: list[multiprocessing.process.BaseProcess], seconds: float) -> None:
+    """Joins `processes` until all have exited or `seconds` have passed, in all."""
+    deadline = time.monotonic() + seconds
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))

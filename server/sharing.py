@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,8 +67,11 @@ MIN_LANE_WINDOW = 2
 # back (see NOTE [ Pool Shutdown ] in server/pool.py) before the last consumer's end frame is
 # sent, so the next epoch of the same trainer finds the persistent pool free. The join is the
 # stream handler's (Consumer.close, at most RUN_JOIN_TIMEOUT), never gRPC's cancellation
-# callback's: that one only marks (Consumer.let_go), since it runs on the thread that serves
-# every other call, and a join there stalled health checks for seconds.
+# callback's: that one only queues the consumer (Consumer.let_go) for the loader's reaper
+# thread, which detaches it without waiting. The callback runs on the thread that serves every
+# other call: a join there stalled health checks for seconds, and so did waiting for
+# `Runs._lock` while another stream planned its epoch under it. The queue holds at most one
+# entry per stream (a consumer is let go once), so the server's stream limit bounds it.
 #
 # Who joins what: a partition rank joins the newest Run of its key whose lane for that rank
 # nobody has claimed yet, its lane beginning at the consumer's start; a broadcast consumer joins
@@ -420,9 +424,10 @@ class Consumer:
         self._on_close(self, True)
 
     def let_go(self) -> None:
-        """Detaches from the Run without waiting for anything: for gRPC's cancellation
-        callback, which runs on the thread that serves every call (a join there stalls the
-        whole server). The stream's own `close()` in its handler does the waiting."""
+        """Queues this consumer for its loader's reaper, which detaches it: for gRPC's
+        cancellation callback, which runs on the thread that serves every call and so must
+        not wait, not even for a lock. The stream's own `close()` in its handler does the
+        waiting."""
         self._on_close(self, False)
 
 
@@ -764,6 +769,12 @@ class Runs:
         self._lease = lease  # (job, gave up?) -> the engine for one Run
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
+        # Consumers gRPC's cancellation callback let go; None stops the reaper (NOTE [ Sharing ]).
+        self._let_go: queue.SimpleQueue[Consumer | None] = queue.SimpleQueue()
+        self._reaper = threading.Thread(
+            target=self._reap, name=f"rl-reaper-{spec.name}", daemon=True
+        )
+        self._reaper.start()
 
     def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
         """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
@@ -794,6 +805,19 @@ class Runs:
         return consumer
 
     def _detach(self, consumer: Consumer, join: bool) -> None:
+        if not join:  # gRPC's cancellation callback: it must not wait for any lock
+            self._let_go.put(consumer)
+            return
+        self._detach_now(consumer, join)
+
+    def _reap(self) -> None:
+        while (consumer := self._let_go.get()) is not None:
+            try:
+                self._detach_now(consumer, join=False)
+            except Exception:  # the reaper must outlive any one consumer's cleanup
+                log.exception("loader %r: letting go of a cancelled stream failed", self.spec.name)
+
+    def _detach_now(self, consumer: Consumer, join: bool) -> None:
         run = consumer.run
         with self._lock:
             last = run.detach(consumer)
@@ -849,3 +873,5 @@ class Runs:
                 run.detach(consumer)
         for run in runs:
             run.wait_closed(timeout=10.0)
+        self._let_go.put(None)
+        self._reaper.join(timeout=10.0)

@@ -154,17 +154,40 @@ def mixed_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Slow(Dataset[int]):
-    """Sleeps before every sample."""
+    """Sleeps before every sample; with `log`, first appends the reading process's pid to it."""
 
-    def __init__(self, n: int = 4, seconds: float = 1.0) -> None:
-        self.n, self.seconds = n, seconds
+    def __init__(self, n: int = 4, seconds: float = 1.0, log: str | None = None) -> None:
+        self.n, self.seconds, self.log = n, seconds, log
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> int:
+        if self.log is not None:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
         time.sleep(self.seconds)
         return i
+
+
+class SlowPlan(Sampler[int]):
+    """A sampler that takes `seconds` to make (the server makes one per epoch, planning it) and
+    appends a line to `log` as each make begins."""
+
+    def __init__(self, dataset: Any, log: str, seconds: float) -> None:
+        with open(log, "a") as f:
+            f.write("plan\n")
+        time.sleep(seconds)
+        self.n = len(dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
 
 
 class Counted(Dataset[dict[str, Any]]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from remote_loader.client import (
 )
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
+from remote_loader.server.pool import WORKER_JOIN_TIMEOUT
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ServeLoaders, StartServer, process_alive, raw_stream, wait_until
 
@@ -200,5 +202,80 @@ def test_cancelled_streams_do_not_stall_other_calls(serve_loaders: ServeLoaders)
                 health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
                 slowest = max(slowest, time.monotonic() - asked)
     # Unstalled, both answer in milliseconds; stalled, they waited for worker joins (seconds).
+    assert slowest < 1.0, slowest
+    assert wait_until(lambda: not host.runs.active(), BUSY_MACHINE)
+
+
+def test_a_pool_of_stuck_workers_shuts_down_within_one_join_timeout(
+    serve_loaders: ServeLoaders, tmp_path: Path
+) -> None:
+    """Ending a Run stops its non-persistent pool in WORKER_JOIN_TIMEOUT in all, then terminates
+    the workers still inside a 60 s `__getitem__`: not WORKER_JOIN_TIMEOUT per worker."""
+    pids = tmp_path / "pids"
+    served = serve_loaders(
+        LoaderSpec(
+            name="stuck",
+            dataset="tests.datasets:Slow",
+            dataset_kwargs={"n": 40, "seconds": 60.0, "log": str(pids)},
+            num_workers=4,
+        )
+    )
+    channel, call = raw_stream(served.address, pb.StreamRequest(loader="stuck"))
+
+    def stuck() -> set[int]:
+        return {int(p) for p in pids.read_text().split()} if pids.exists() else set()
+
+    assert wait_until(lambda: len(stuck()) == 4, BUSY_MACHINE)
+    call.cancel()
+    channel.close()
+    cancelled = time.monotonic()
+    assert wait_until(lambda: not any(process_alive(pid) for pid in stuck()), BUSY_MACHINE)
+    # One join timeout (5 s) plus terminate; per worker it took 4 x 5 s.
+    assert time.monotonic() - cancelled < WORKER_JOIN_TIMEOUT + 5.0
+
+
+def test_a_cancel_while_another_stream_plans_its_epoch_stalls_no_call(
+    serve_loaders: ServeLoaders, tmp_path: Path
+) -> None:
+    """A cancel's callback does not wait for the loader's registry, which a stream planning its
+    epoch (here a sampler that takes 4 s to make) holds: unary calls and health stay quick."""
+    plans = tmp_path / "plans"
+    served = serve_loaders(
+        LoaderSpec(
+            name="planned",
+            dataset="tests.datasets:Slow",
+            dataset_kwargs={"n": 40, "seconds": 0.5},
+            sampler="tests.datasets:SlowPlan",
+            sampler_kwargs={"log": str(plans), "seconds": 4.0},
+        )
+    )
+    host = served.hosts["planned"]
+
+    def made() -> int:  # samplers made: the server made one as it built the loader
+        return len(plans.read_text().splitlines())
+
+    first_channel, first = raw_stream(served.address, pb.StreamRequest(loader="planned"))
+    assert wait_until(lambda: bool(host.runs.active()), BUSY_MACHINE)
+    second_channel, second = raw_stream(served.address, pb.StreamRequest(loader="planned", epoch=1))
+    assert wait_until(lambda: made() == 3, BUSY_MACHINE)  # epoch 1 is being planned now
+    first.cancel()
+    first_channel.close()
+    slowest = 0.0
+    with grpc.insecure_channel(served.address) as channel:
+        describe = channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        )
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(5):
+            asked = time.monotonic()
+            describe(pb.DescribeRequest(), timeout=BUSY_MACHINE)
+            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.1)
+    second.cancel()
+    second_channel.close()
+    # Stalled, the calls waited for the epoch's plan (seconds); unstalled, milliseconds.
     assert slowest < 1.0, slowest
     assert wait_until(lambda: not host.runs.active(), BUSY_MACHINE)
