@@ -255,8 +255,9 @@ class RemoteLoader:
 
     @property
     def last_transport(self) -> str | None:
-        """How the latest batch arrived: "shm" (shared memory), "grpc", or None before any."""
-        return self._iterator._receiver.transport if self._iterator is not None else None
+        """How the latest batch handed out arrived: "shm" (shared memory), "tcp" (the data
+        connection), "grpc", or None before any."""
+        return self._iterator.transport if self._iterator is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next `iter()` stream this epoch (later ones follow from it)."""
@@ -467,6 +468,7 @@ class _EpochIterator(Iterator[Any]):
         )
         self._receiver.start()
         self.batches = start  # the epoch's position: batches yielded, including skipped ones
+        self.transport: str | None = None  # how the latest batch handed out arrived
         # For stats(): when the loop first asked, how long it has been blocked in next(), what
         # it received, and when the epoch ended (None while it runs).
         self._first_next: float | None = None
@@ -506,6 +508,9 @@ class _EpochIterator(Iterator[Any]):
         if isinstance(item, Ready):
             self._received += 1
             self._received_bytes += item.nbytes
+            # The receiver may already be batches ahead, on another transport (a batch larger
+            # than the ring goes as frames): this is the one the training loop now gets.
+            self.transport = item.transport
         elif isinstance(item, Finished) or item.final:
             self._ended_at = time.monotonic()
         return item
@@ -515,7 +520,7 @@ class _EpochIterator(Iterator[Any]):
             return LoaderStats(
                 epoch=self.epoch,
                 reconnects=self._receiver.reconnects,
-                transport=self._receiver.transport,
+                transport=self.transport,
             )
         elapsed = (self._ended_at or time.monotonic()) - self._first_next
         return LoaderStats(
@@ -526,7 +531,7 @@ class _EpochIterator(Iterator[Any]):
             elapsed_seconds=elapsed,
             wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
             reconnects=self._receiver.reconnects,
-            transport=self._receiver.transport,
+            transport=self.transport,
         )
 
     def _get(self) -> Item:

@@ -56,6 +56,7 @@ class Ready:
     device_payload: torch.Tensor | None = None
     event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
     nbytes: int = 0  # the encoded batch's size (header and tensor data), for stats()
+    transport: str = "grpc"  # how it arrived: "shm", "tcp" or "grpc"
 
 
 @dataclasses.dataclass
@@ -212,7 +213,6 @@ class Receiver(threading.Thread):
         self._on_tcp_failed = on_tcp_failed  # the owner stops asking in later epochs
         # How the last batch arrived: "shm" (the shared-memory ring), "tcp" (the data
         # connection) or "grpc" (data Frames).
-        self.transport: str | None = None
         self._ring: shm.RingReader | None = None
         self._data: socket.socket | None = None  # the current stream's data connection
         self._lock = threading.Lock()  # guards _call against stop() from another thread
@@ -417,8 +417,7 @@ class Receiver(threading.Thread):
                     return Finished(expected)  # stopped
                 ready = received
             elif assembly.add(meta, data):
-                self.transport = "grpc"
-                ready = self._decode(assembly)
+                ready = self._decode(assembly, "grpc")
             else:
                 continue  # more parts of this batch to come
             assembly = None
@@ -459,8 +458,7 @@ class Receiver(threading.Thread):
             raise ConnectionLostError(f"{self._what}: batch {assembly.batch}: {exc}") from exc
         if not complete:
             return None
-        self.transport = "tcp"
-        return self._decode(assembly)
+        return self._decode(assembly, "tcp")
 
     def _from_ring(self, meta: Any, assembly: _Assembly) -> Ready:
         """Copies a batch out of the stream's ring into `assembly`, hands its space back."""
@@ -480,19 +478,25 @@ class Receiver(threading.Thread):
         assembly.add(meta, view.data)  # the one copy, out of shared memory
         del view
         self._ring.release(ref.release)
-        self.transport = "shm"
-        return self._decode(assembly)
+        return self._decode(assembly, "shm")
 
-    def _decode(self, assembly: _Assembly) -> Ready:
+    def _decode(self, assembly: _Assembly, transport: str) -> Ready:
         header = memoryview(assembly.header)
         try:
             if self._copy_stream is None:
-                return Ready(codec.decode(header, assembly.payload), nbytes=assembly.total)
+                batch = codec.decode(header, assembly.payload)
+                return Ready(batch, nbytes=assembly.total, transport=transport)
             with torch.cuda.stream(self._copy_stream):
                 device_payload = assembly.payload.to(self._device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             batch = codec.decode(header, assembly.payload, device_payload)
-            return Ready(batch, device_payload=device_payload, event=event, nbytes=assembly.total)
+            return Ready(
+                batch,
+                device_payload=device_payload,
+                event=event,
+                nbytes=assembly.total,
+                transport=transport,
+            )
         except codec.DecodeError as exc:
             raise ProtocolError(f"{self._what}: batch {assembly.batch}: {exc}") from exc

@@ -262,6 +262,21 @@ def test_rings_grow_with_the_batches_and_huge_batches_go_as_frames(
     assert transports[:5] == ["shm"] * 5 and transports[6:] == ["shm"] * 2
 
 
+def test_last_transport_is_the_handed_out_batchs_not_the_receivers_latest(
+    serve_loaders: ServeLoaders,
+) -> None:
+    # The receiver runs ahead of a slow training loop: while the loop holds batch 0 (from the
+    # ring), batch 1 (over the ring's limit) may already have arrived as frames.
+    sizes = [1000, 3_000_000, 1000]
+    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20)
+    with RemoteLoader(served.address, device="cpu") as loader:
+        transports = []
+        for _ in loader:
+            time.sleep(0.5)  # a training step: the receiver fetches what comes next meanwhile
+            transports.append((loader.last_transport, loader.stats().transport))
+    assert transports == [("shm", "shm"), ("grpc", "grpc"), ("shm", "shm")]
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_batches_that_grow_every_time_all_arrive_over_shared_memory(
     serve_loaders: ServeLoaders, num_workers: int

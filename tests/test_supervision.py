@@ -160,7 +160,8 @@ def test_a_killed_client_frees_the_server_within_two_seconds(
     assert victim.stdout is not None
     for _ in range(3):
         victim.stdout.readline()
-    assert host.runs.active() and pool.outstanding > 0  # it is mid-epoch
+    # Mid-epoch (the pool may have made all the lane lets it ahead of a slow client).
+    assert host.runs.active()
     victim.kill()
     victim.communicate()
     killed = time.monotonic()
@@ -309,7 +310,7 @@ def test_sigterm_cancels_streams_that_outlast_the_grace() -> None:
     assert time.monotonic() - signalled < min(BUSY_MACHINE, 20)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(300)
 def test_fifty_respawns_under_running_streams_do_not_deadlock(
     serve_loaders: ServeLoaders,
 ) -> None:
@@ -317,13 +318,18 @@ def test_fifty_respawns_under_running_streams_do_not_deadlock(
     pool = persistent_pool(served, "slow")
     stop = threading.Event()
     epochs = [0, 0]
+    delivered = [0, 0]  # batches each rank has received
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:  # two ranks share the pool's Run
         try:
             with RemoteLoader(served.address, rank=r, world_size=2) as loader:
                 while not stop.is_set():
-                    assert values(loader) == list(range(r, 200, 2))
+                    got = []
+                    for batch in loader:
+                        got.extend(int(v) for v in batch)
+                        delivered[r] += 1
+                    assert got == list(range(r, 200, 2))
                     epochs[r] += 1
         except BaseException as exc:
             errors.append(exc)
@@ -331,18 +337,28 @@ def test_fifty_respawns_under_running_streams_do_not_deadlock(
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
+    # Every task in flight when a worker dies has been delivered once this many more batches
+    # have: 4 submitted (2 workers x prefetch 2) plus 2 lanes' windows of 4 made, unsent.
+    in_flight = 4 + 2 * 4
     kills = 0
     rng = random.Random(1)
     while kills < 50 and not errors:
+        mark = sum(delivered)
         try:
             os.kill(rng.choice(pool.pids), signal.SIGKILL)
             kills += 1
         except ProcessLookupError:
-            pass  # already dead, not yet replaced
-        time.sleep(0.1)
+            continue  # already dead, not yet replaced
+        # Paced by progress, not by the clock: on a loaded machine a fixed pace can kill the
+        # respawned worker again and again before it finishes the batch it was given, and a
+        # batch whose worker dies MAX_TASK_ATTEMPTS times is (rightly) delivered as an error.
+        settled = mark + in_flight
+        assert wait_until(
+            lambda settled=settled: bool(errors) or sum(delivered) >= settled, BUSY_MACHINE
+        ), f"no progress after kill {kills}"
     stop.set()
     for t in threads:
-        t.join(timeout=15)
+        t.join(timeout=BUSY_MACHINE)
     assert not any(t.is_alive() for t in threads), "deadlock"
     assert not errors, errors[0]
     assert kills == 50 and min(epochs) >= 1
