@@ -32,9 +32,15 @@ FRAME_OVERHEAD = 1024
 # the server accepts pings that often (max_ping_strikes 0: it never penalises them).
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+# NOTE [ Ping timeout ]: gRPC core keeps one ping in flight per connection, and its own
+# flow-control (BDP) pings wait `grpc.http2.ping_timeout_ms` for their ack: a minute by default.
+# A peer that froze with a BDP ping unanswered thus held off the keepalive ping, and was let go
+# after 60 s rather than keepalive_timeout (measured: 1 run in 3 over loopback). Every ping gets
+# the keepalive's timeout instead (grpc chttp2_transport.cc, GRPC_ARG_PING_TIMEOUT_MS).
 CLIENT_KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
 SERVER_KEEPALIVE_OPTIONS = (
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),

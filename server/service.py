@@ -610,6 +610,7 @@ def create_server(
         # wire.KEEPALIVE_TIME_MS) are accepted, never counted as strikes.
         ("grpc.keepalive_time_ms", keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),  # NOTE [ Ping timeout ], wire.py
         ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
         ("grpc.http2.max_ping_strikes", 0),
     ]

@@ -509,6 +509,7 @@ class Run:
             if self.closing:
                 return None
             mode = self.key.sharing
+            lane: _Lane
             if mode == "partition":
                 if membership.rank in self.ranks_joined:
                     return None  # that rank's share is already taken: a new Run makes it again
