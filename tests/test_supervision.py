@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -325,7 +326,7 @@ def test_fifty_respawns_under_running_streams_do_not_deadlock(
         try:
             with RemoteLoader(served.address, rank=r, world_size=2) as loader:
                 while not stop.is_set():
-                    got = []
+                    got: list[int] = []
                     for batch in loader:
                         got.extend(int(v) for v in batch)
                         delivered[r] += 1
@@ -333,6 +334,9 @@ def test_fifty_respawns_under_running_streams_do_not_deadlock(
                     epochs[r] += 1
         except BaseException as exc:
             errors.append(exc)
+
+    def progressed(settled: int) -> Callable[[], bool]:
+        return lambda: bool(errors) or sum(delivered) >= settled
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
@@ -352,10 +356,7 @@ def test_fifty_respawns_under_running_streams_do_not_deadlock(
         # Paced by progress, not by the clock: on a loaded machine a fixed pace can kill the
         # respawned worker again and again before it finishes the batch it was given, and a
         # batch whose worker dies MAX_TASK_ATTEMPTS times is (rightly) delivered as an error.
-        settled = mark + in_flight
-        assert wait_until(
-            lambda settled=settled: bool(errors) or sum(delivered) >= settled, BUSY_MACHINE
-        ), f"no progress after kill {kills}"
+        assert wait_until(progressed(mark + in_flight), BUSY_MACHINE), f"no progress, kill {kills}"
     stop.set()
     for t in threads:
         t.join(timeout=BUSY_MACHINE)
