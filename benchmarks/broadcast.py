@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import DEMO_DATASET
+from remote_loader.server.datasets import DEMO_DATASET
 
 # benchmarks/ is not a package on any default path; the server's workers import the workloads
 # as benchmarks.workloads (see benchmarks/processes.py).

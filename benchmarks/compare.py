@@ -59,8 +59,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import DEMO_DATASET
-from remote_loader.server.datasets import DEMO_CLASSES, DEMO_PER_CLASS, demo_folder
+from remote_loader.server.datasets import DEMO_CLASSES, DEMO_DATASET, DEMO_PER_CLASS, demo_folder
 from remote_loader.server.spec import resolve
 
 # The workloads (and benchmarks.processes) are imported as benchmarks.* here, in the local

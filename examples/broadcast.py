@@ -23,7 +23,6 @@ import argparse
 import multiprocessing
 import multiprocessing.queues as mp_queues
 import queue
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,7 +32,8 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import demo_flags, spawn_serve
+from remote_loader.server import Server, ServerSettings
+from remote_loader.server.datasets import demo_spec
 
 CONSUMERS = 2
 JOB = "shared-demo"
@@ -45,18 +45,11 @@ RESULT_TIMEOUT = 300.0
 Result = tuple[int, list[list[int]], int, str | None]
 
 
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    proc, port = spawn_serve(demo_flags())
-    return proc, f"127.0.0.1:{port}"
-
-
-def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.communicate(timeout=30)  # also closes the stdout pipe spawn_serve opened
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+def start_server() -> Server:
+    """The demo image folder, served by this process on a free port."""
+    server = Server(ServerSettings(address="127.0.0.1:0"), [demo_spec()])
+    server.start()
+    return server
 
 
 def consume(rank: int, address: str, results: mp_queues.Queue[Result]) -> None:
@@ -144,12 +137,13 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    server, address = (None, args.address) if args.address else start_server()
+    server = None if args.address else start_server()
+    address = server.address if server is not None else args.address
     try:
         ok = run(address)
     finally:
         if server is not None:
-            stop_server(server)
+            server.stop()
     print("broadcast example " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 

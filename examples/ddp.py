@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import socket
-import subprocess
 import sys
 from collections import Counter
 
@@ -28,7 +27,8 @@ from torch.multiprocessing.spawn import ProcessExitedException, spawn
 from torch.nn.parallel import DistributedDataParallel
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import demo_flags, spawn_serve
+from remote_loader.server import Server, ServerSettings
+from remote_loader.server.datasets import demo_spec
 
 WORLD_SIZE = 2
 CLASSES = 8  # the demo image folder's
@@ -42,18 +42,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    proc, port = spawn_serve(demo_flags())
-    return proc, f"127.0.0.1:{port}"
-
-
-def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.communicate(timeout=30)  # also closes the stdout pipe spawn_serve opened
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+def start_server() -> Server:
+    """The demo image folder, served by this process on a free port."""
+    server = Server(ServerSettings(address="127.0.0.1:0"), [demo_spec()])
+    server.start()
+    return server
 
 
 def say(line: str) -> None:
@@ -155,7 +148,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
 
-    server, address = (None, args.address) if args.address else start_server()
+    server = None if args.address else start_server()
+    address = server.address if server is not None else args.address
     try:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         spawn(train, args=(address, args.epochs, init_method), nprocs=WORLD_SIZE, join=True)
@@ -164,7 +158,7 @@ def main() -> int:
         return 1
     finally:
         if server is not None:
-            stop_server(server)
+            server.stop()
     print("ddp example passed")
     return 0
 

@@ -18,30 +18,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from remote_loader.server.datasets import DEMO_DATASET, demo_spec
 from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import (
     ConfigError,
-    LoaderSpec,
     add_spec_arguments,
     read_config,
     spec_from_args,
 )
 
 DEFAULTS = ServerSettings()
-DEMO_DATASET = "remote_loader.server.datasets:ImageFolder"
-
-
-def demo_spec(batch_size: int = 32, num_workers: int = 2) -> LoaderSpec:
-    """The loader `serve` hosts without a config: the built-in image folder, shuffled."""
-    return LoaderSpec(
-        name="demo",
-        dataset=DEMO_DATASET,
-        dataset_kwargs={"return_index": True},
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -178,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from remote_loader.server.service import serve
+    from remote_loader.server.server import serve
 
     try:
         table = None
@@ -199,24 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
             level=settings.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-        return serve(
-            specs,
-            settings.address,
-            max_streams=settings.max_streams,
-            chunk_size=settings.chunk_size,
-            grace=settings.grace,
-            metrics_address=settings.metrics_address,
-            max_batch_bytes=settings.max_batch_bytes,
-            max_ring_bytes=settings.max_ring_bytes,
-            data_address=settings.data_address,
-            max_request_bytes=settings.max_request_bytes,
-            keepalive_time_ms=settings.keepalive_time_ms,
-            keepalive_timeout_ms=settings.keepalive_timeout_ms,
-            min_ping_interval_ms=settings.min_ping_interval_ms,
-            token=settings.auth_token(),
-            tls=settings.server_tls(),
-            reflection=settings.reflection,
-        )
+        return serve(settings, specs)
     except (ConfigError, OSError) as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
         return 2

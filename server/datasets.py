@@ -16,6 +16,8 @@ import torch
 import torch.utils.data
 from PIL import Image
 
+from remote_loader.server.spec import LoaderSpec
+
 __all__ = [
     "DEMO_CLASSES",
     "DEMO_DIRNAME",
@@ -211,3 +213,20 @@ class ImageFolder(torch.utils.data.Dataset[Sample]):
         if self.return_index:
             return tensor, label, index
         return tensor, label
+
+
+# The loader `remote-loader serve` hosts without a config, and the examples serve.
+DEMO_DATASET = "remote_loader.server.datasets:ImageFolder"
+
+
+def demo_spec(batch_size: int = 32, num_workers: int = 2) -> LoaderSpec:
+    """The loader `serve` hosts without a config: the built-in image folder, shuffled."""
+    return LoaderSpec(
+        name="demo",
+        dataset=DEMO_DATASET,
+        dataset_kwargs={"return_index": True},
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )

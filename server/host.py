@@ -19,7 +19,6 @@ from remote_loader.protos import codec
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
-from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.sharing import (
     ClosingError,
     Consumer,
@@ -30,6 +29,7 @@ from remote_loader.server.sharing import (
 )
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
+    DEFAULT_MAX_BATCH_BYTES,
     Fetcher,
     RemoteError,
     build_dataset,

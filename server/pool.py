@@ -24,9 +24,9 @@ from typing import Any
 
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
-from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
+    DEFAULT_MAX_BATCH_BYTES,
     EpochStart,
     RemoteError,
     Result,

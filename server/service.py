@@ -1,6 +1,5 @@
-"""The gRPC stage: the Loader service, `create_server` (binds, port 0 for tests) and `serve`.
-
-See NOTE [ Pool Shutdown ] in server/pool.py for what stopping does to the workers.
+"""The gRPC stage: the Loader service (ListLoaders, Describe, Stream); server/server.py binds
+and runs it.
 
 Stream handlers forward the bytes workers encoded, cut into Frames (remote_loader.protos.wire),
 and stop producing as soon as the client goes away.
@@ -9,28 +8,20 @@ and stop producing as soon as the client goes away.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
-import multiprocessing
-import multiprocessing.context
-import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent import futures
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, tcp, wire
-from remote_loader.server.auth import ServerTLS, TokenInterceptor
 from remote_loader.server.host import LoaderHost
-from remote_loader.server.metrics import MetricsServer
-from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_REQUEST_BYTES
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.sharing import (
     DEFAULT_JOB,
     ClosingError,
@@ -40,7 +31,6 @@ from remote_loader.server.sharing import (
     Membership,
     SharingError,
 )
-from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.transport import (
     DEFAULT_CLIENT_SILENCE,
     ClientSilent,
@@ -53,45 +43,6 @@ from remote_loader.server.transport import (
 
 log = logging.getLogger(__name__)
 
-# Streams served at once; one more is refused with RESOURCE_EXHAUSTED instead of queueing.
-DEFAULT_MAX_STREAMS = 32
-# Requests are a few plain fields: anything bigger is a mistake or an attack.
-MAX_REQUEST_BYTES = DEFAULT_MAX_REQUEST_BYTES
-# Handler threads beyond max_streams, for unary calls (health, Describe) and for refusing the
-# stream one over the limit: a full server still answers them at once.
-UNARY_THREADS = 8
-# Calls that may wait for a thread beyond those: past it gRPC answers RESOURCE_EXHAUSTED on its
-# own (a flood, not the stream limit, which LoaderService.Stream enforces).
-CALL_BACKLOG = 256
-# How long running streams may finish when the server is asked to stop.
-DEFAULT_GRACE = 5.0
-# Modules the fork server imports once, so each worker starts as a fork of a warm process.
-FORKSERVER_PRELOAD = ["torch", "numpy", "remote_loader.server.worker"]
-
-
-def worker_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context for workers: a fork server, started now.
-
-    Forking a process that runs gRPC threads is unsafe (grpc/grpc#16001), and workers are
-    started while the server runs (non-persistent pools, replacements). The fork server is a
-    fresh interpreter started here, before any gRPC server, that forks the workers for us.
-    """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    # The fork server imports the preload list (torch: about a second) before it forks anything;
-    # start one process now so that cost is paid at start-up, not by the first stream.
-    warmup = ctx.Process(target=_noop, name="remote-loader-warmup")
-    warmup.start()
-    warmup.join()
-    return ctx
-
-
-def _noop() -> None:
-    pass
-
 
 class LoaderService:
     """The `remote_loader.v1.Loader` service over a set of hosted loaders."""
@@ -101,7 +52,7 @@ class LoaderService:
         hosts: Mapping[str, LoaderHost],
         chunk_size: int,
         max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
-        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_streams: int = ServerSettings.max_streams,
         client_silence: float = DEFAULT_CLIENT_SILENCE,
     ) -> None:
         if not hosts:
@@ -490,261 +441,6 @@ def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) ->
     return {"outcome": "completed" if completed else "ended"}
 
 
-def _tls_mode(tls: ServerTLS | None) -> str:
-    if tls is None:
-        return "plaintext"
-    return "mutual TLS" if tls.client_ca is not None else "TLS"
-
-
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
     context.abort(code, details)
     raise AssertionError("unreachable: context.abort raises")
-
-
-@dataclasses.dataclass
-class LoaderServer:
-    """A bound gRPC server for a set of loaders, with the standard health service.
-
-    Health (`grpc.health.v1`, service "" and "remote_loader.v1.Loader") is SERVING once
-    started and NOT_SERVING while draining. The data listener (`data_port`), when on, accepts
-    from creation (a connection needs a ticket from a running stream) and closes with `stop()`.
-    """
-
-    grpc_server: grpc.Server
-    port: int
-    service: LoaderService
-    health: health.HealthServicer
-    # The Prometheus endpoint (metrics_address), bound; None when off.
-    metrics: MetricsServer | None = None
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics.port if self.metrics is not None else None
-
-    @property
-    def data_port(self) -> int | None:
-        """The port of the data listener (NOTE [ TCP data connection ]); None when off."""
-        return self.service.listener.port if self.service.listener is not None else None
-
-    def start(self) -> None:
-        self.grpc_server.start()
-        if self.metrics is not None:
-            self.metrics.start()
-        for name in ("", wire.SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    def stop(self, grace: float = DEFAULT_GRACE) -> None:
-        """Drains, then stops: health turns NOT_SERVING and new streams are refused with
-        UNAVAILABLE at once; running streams get up to `grace` seconds to finish, then are
-        cancelled."""
-        self.health.enter_graceful_shutdown()
-        self.service.draining = True
-        deadline = time.monotonic() + grace
-        if not self.service.wait_streams(grace):
-            log.warning("streams still running after %.1f s: cancelling them", grace)
-        # A stream whose handler has returned still has its status to send: give calls the
-        # rest of the grace (up to a second when none is left) rather than cancel them at once.
-        self.grpc_server.stop(max(deadline - time.monotonic(), min(grace, 1.0))).wait()
-        if self.service.listener is not None:
-            self.service.listener.close()
-        if self.metrics is not None:
-            self.metrics.close()
-
-
-def create_server(
-    hosts: Mapping[str, LoaderHost],
-    address: str = "127.0.0.1:0",
-    *,
-    max_streams: int = DEFAULT_MAX_STREAMS,
-    chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
-    max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
-    max_request_bytes: int = MAX_REQUEST_BYTES,
-    keepalive_time_ms: int = wire.KEEPALIVE_TIME_MS,
-    keepalive_timeout_ms: int = wire.KEEPALIVE_TIMEOUT_MS,
-    min_ping_interval_ms: int = wire.KEEPALIVE_TIME_MS // 2,
-    token: str | None = None,
-    tls: ServerTLS | None = None,
-    reflection: bool = False,
-    metrics_address: str | None = None,
-    data_address: str = "auto",
-) -> LoaderServer:
-    """A server for `hosts`, bound to `address` (port 0: a free one) but not started.
-
-    With `token`, every call but health checks must carry `authorization: Bearer <token>`
-    (server/auth.py); with `tls`, the port speaks TLS only (mTLS when it has a client CA).
-    `data_address` is where clients on other hosts open their data connections (NOTE [ TCP
-    data connection ]): "auto" is `address`'s host on a free port, "off" (or "") none; a server
-    with `tls` has none unless told otherwise, which is an error (the connection is plaintext).
-    The keyword arguments are the [server] settings of the same names (server/settings.py).
-    """
-    listen_data = resolve_data_address(data_address, address, tls is not None)
-    service = LoaderService(
-        hosts,
-        chunk_size,
-        max_ring_bytes,
-        max_streams=max_streams,
-        client_silence=(keepalive_time_ms + keepalive_timeout_ms) / 1000,
-    )
-    handlers = {
-        "ListLoaders": grpc.unary_unary_rpc_method_handler(
-            service.ListLoaders,
-            request_deserializer=pb.ListLoadersRequest.FromString,
-            response_serializer=pb.ListLoadersResponse.SerializeToString,
-        ),
-        "Describe": grpc.unary_unary_rpc_method_handler(
-            service.Describe,
-            request_deserializer=pb.DescribeRequest.FromString,
-            response_serializer=pb.LoaderInfo.SerializeToString,
-        ),
-        # No response serializer: the handler yields Frames it serialized itself (see wire.py).
-        "Stream": grpc.unary_stream_rpc_method_handler(
-            service.Stream, request_deserializer=pb.StreamRequest.FromString
-        ),
-    }
-    options: list[tuple[str, Any]] = [
-        # Refuse to share a port with another server (a second server must fail, not split traffic).
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", max_request_bytes),
-        ("grpc.max_send_message_length", chunk_size + wire.FRAME_OVERHEAD),
-        # Pings of its own find clients that vanished; the clients' pings (every
-        # wire.KEEPALIVE_TIME_MS) are accepted, never counted as strikes.
-        ("grpc.keepalive_time_ms", keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
-        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),  # NOTE [ Ping timeout ], wire.py
-        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
-    server = grpc.server(
-        # A thread per stream (LoaderService.Stream counts them against max_streams), plus
-        # threads for unary calls and health checks beside them.
-        futures.ThreadPoolExecutor(
-            max_workers=max_streams + UNARY_THREADS, thread_name_prefix="rl-rpc"
-        ),
-        handlers=[grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers)],
-        interceptors=[TokenInterceptor(token)] if token is not None else None,
-        maximum_concurrent_rpcs=max_streams + UNARY_THREADS + CALL_BACKLOG,
-        options=options,
-    )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if reflection:
-        from grpc_reflection.v1alpha import reflection as grpc_reflection
-
-        grpc_reflection.enable_server_reflection(
-            (wire.SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), server
-        )
-    try:
-        if tls is not None:
-            port = server.add_secure_port(address, tls.credentials())
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        # grpc says only "Failed to bind": with TLS, a bad certificate or key fails the same way.
-        also = " Or are the TLS certificate and key not a matching PEM pair?" if tls else ""
-        raise OSError(
-            f"cannot listen on {address}: {exc} (is another server using it?{also})"
-        ) from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {address} (is another server using it?)")
-    # Prometheus metrics on a port of their own (server/metrics.py), bound now, served once
-    # started and closed with the gRPC server.
-    metrics = None
-    if metrics_address:
-        metrics = MetricsServer(metrics_address, [host.metrics for host in hosts.values()])
-    if listen_data is not None:
-        try:
-            service.listener = DataListener(listen_data)
-        except OSError:
-            if metrics is not None:
-                metrics.close()
-            raise
-    return LoaderServer(server, port, service, health_servicer, metrics)
-
-
-def resolve_data_address(data_address: str, address: str, tls: bool) -> str | None:
-    """HOST:PORT for the data listener, or None for none (see create_server)."""
-    if data_address in ("", "off"):
-        return None
-    if data_address == "auto":
-        if tls:
-            return None  # the batches stay inside TLS, over gRPC
-        host, _, _ = address.rpartition(":")
-        return f"{host}:0"
-    if tls:
-        raise ValueError(
-            f"data_address {data_address} is plaintext, and this server serves TLS: leave "
-            'data_address "auto" (no data connections with TLS) or set it "off"'
-        )
-    return data_address
-
-
-def build_hosts(
-    specs: Mapping[str, LoaderSpec],
-    ctx: multiprocessing.context.BaseContext | None = None,
-    *,
-    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-) -> dict[str, LoaderHost]:
-    """Builds and starts every loader (datasets, option checks, persistent workers)."""
-    ctx = ctx or worker_context()
-    hosts: dict[str, LoaderHost] = {}
-    try:
-        for name, spec in specs.items():
-            hosts[name] = LoaderHost(spec, ctx, max_batch_bytes=max_batch_bytes)
-            hosts[name].start()
-    except BaseException:
-        for host in hosts.values():
-            host.close()
-        raise
-    return hosts
-
-
-def serve(
-    specs: Mapping[str, LoaderSpec],
-    address: str,
-    *,
-    max_streams: int = DEFAULT_MAX_STREAMS,
-    chunk_size: int = wire.DEFAULT_CHUNK_SIZE,
-    grace: float = DEFAULT_GRACE,
-    ready: threading.Event | None = None,
-    stop: threading.Event | None = None,
-    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-    **options: Any,
-) -> int:
-    """Runs a server until SIGTERM / SIGINT (or `stop`); returns the process exit code.
-
-    `options` are create_server's other keyword arguments (max_request_bytes, the keepalive
-    settings, token, tls, reflection, metrics_address, ...).
-    """
-    # Workers and the fork server start before any gRPC thread.
-    hosts = build_hosts(specs, max_batch_bytes=max_batch_bytes)
-    stop = stop or threading.Event()
-    try:
-        server = create_server(
-            hosts, address, max_streams=max_streams, chunk_size=chunk_size, **options
-        )
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stop.set())
-        server.start()
-        names = ", ".join(sorted(hosts))
-        log.info(
-            "serving %s on port %d (%s, %s)",
-            names,
-            server.port,
-            _tls_mode(options.get("tls")),
-            "token required" if options.get("token") is not None else "no token",
-        )
-        print(f"remote-loader: serving {names} on port {server.port}", flush=True)
-        if server.metrics is not None:
-            log.info("metrics (Prometheus) on port %d", server.metrics.port)
-        if server.data_port is not None:
-            log.info("data connections (NOTE [ TCP data connection ]) on port %d", server.data_port)
-        if ready is not None:
-            ready.set()
-        stop.wait()
-        log.info("stopping: health NOT_SERVING, %.1f s for running streams", grace)
-        server.stop(grace)
-    finally:
-        for host in hosts.values():
-            host.close()
-    return 0

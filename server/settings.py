@@ -15,16 +15,9 @@ from typing import Any
 from remote_loader.protos import shm, wire
 from remote_loader.server.auth import ServerTLS, check_token, load_tls, token_from_file
 from remote_loader.server.spec import ConfigError
+from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES
 
 ENV_PREFIX = "REMOTE_LOADER_"
-# The largest encoded batch a loader may make (max_batch_bytes). A batch is held whole in a
-# worker's shared-memory slot (prefetch_factor * num_workers of them may be in flight, in a
-# /dev/shm that containers size: docker-compose.yml gives 2 GiB), then whole in the trainer's
-# pinned memory. One of several GiB is nearly always a mistake (a batch_size meant for samples,
-# a collate_fn that gathers the dataset) that would otherwise end as a worker killed by SIGBUS
-# or the OOM killer; 2 GiB is well above real batches (256 float32 images of 3x512x512 are
-# 805 MB). A batch over it is an error at its position (server/worker.py check_batch_size).
-DEFAULT_MAX_BATCH_BYTES = 2 << 30
 # Requests are a few plain fields (loader, epoch, seed, consumer): anything near this is a
 # mistake or an attack. Below MIN_REQUEST_BYTES even ordinary requests would be refused.
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024

@@ -56,6 +56,16 @@ def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     return torch.stack(batch, 0)
 
 
+# The largest encoded batch a loader may make (max_batch_bytes). A batch is held whole in a
+# worker's shared-memory slot (prefetch_factor * num_workers of them may be in flight, in a
+# /dev/shm that containers size: docker-compose.yml gives 2 GiB), then whole in the trainer's
+# pinned memory. One of several GiB is nearly always a mistake (a batch_size meant for samples,
+# a collate_fn that gathers the dataset) that would otherwise end as a worker killed by SIGBUS
+# or the OOM killer; 2 GiB is well above real batches (256 float32 images of 3x512x512 are
+# 805 MB). A batch over it is an error at its position (check_batch_size).
+DEFAULT_MAX_BATCH_BYTES = 2 << 30
+
+
 def check_batch_size(nbytes: int, limit: int) -> None:
     """Raises BatchTooLargeError, saying what to change, for a batch over `limit` bytes."""
     if nbytes > limit:

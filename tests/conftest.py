@@ -20,7 +20,8 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.cli import spawn_serve
 from remote_loader.server.host import LoaderHost
-from remote_loader.server.service import LoaderServer, build_hosts, create_server
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ class Served:
 
     address: str
     hosts: dict[str, LoaderHost]
-    server: LoaderServer
+    server: Server
 
 
 ServeLoaders = Callable[..., Served]
@@ -49,21 +50,19 @@ StartServer = Callable[..., str]
 
 @pytest.fixture
 def serve_loaders() -> Iterator[ServeLoaders]:
-    """Starts an in-process server for the given specs on 127.0.0.1:0."""
+    """Starts an in-process server for the given specs on 127.0.0.1:0; keyword arguments are
+    ServerSettings fields."""
     running: list[Served] = []
 
-    def start(*specs: LoaderSpec, **kwargs: Any) -> Served:
-        hosts = build_hosts({spec.name: spec for spec in specs})
-        server = create_server(hosts, "127.0.0.1:0", **kwargs)
+    def start(*specs: LoaderSpec, **settings: Any) -> Served:
+        server = Server(ServerSettings(address="127.0.0.1:0", **settings), specs)
         server.start()
-        running.append(Served(f"127.0.0.1:{server.port}", hosts, server))
+        running.append(Served(server.address, server.hosts, server))
         return running[-1]
 
     yield start
     for served in running:
         served.server.stop(0)
-        for host in served.hosts.values():
-            host.close()
 
 
 @pytest.fixture

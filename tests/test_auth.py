@@ -211,6 +211,14 @@ class PKI:
     client_cert: Path
     client_key: Path
 
+    def server_settings(self, mutual: bool = False) -> dict[str, str | None]:
+        """The ServerSettings fields that serve with this PKI's server certificate."""
+        return {
+            "tls_cert": str(self.server_cert),
+            "tls_key": str(self.server_key),
+            "tls_client_ca": str(self.ca) if mutual else None,
+        }
+
     def server_tls(self, mutual: bool = False) -> ServerTLS:
         return ServerTLS(
             cert=self.server_cert.read_bytes(),
@@ -294,7 +302,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 
 def test_tls_round_trip(serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI) -> None:
-    served = serve_loaders(counted(tmp_path / "reads"), tls=pki.server_tls())
+    served = serve_loaders(counted(tmp_path / "reads"), **pki.server_settings())
     port = served.address.rsplit(":", 1)[1]
     for address in (served.address, f"localhost:{port}"):  # the certificate names both
         with RemoteLoader(address, tls=TLS(ca=pki.ca)) as loader:
@@ -312,7 +320,7 @@ def test_mutual_tls_needs_a_client_certificate(
     serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI
 ) -> None:
     served = serve_loaders(
-        counted(tmp_path / "reads"), tls=pki.server_tls(mutual=True), token=TOKEN
+        counted(tmp_path / "reads"), **pki.server_settings(mutual=True), token=TOKEN
     )
     mutual = TLS(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name="localhost")
     with RemoteLoader(served.address, token=TOKEN, tls=mutual) as loader:

@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.service import build_hosts, create_server
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import assert_same
 from tests.datasets import Drawn
@@ -58,15 +59,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         "w0": LoaderSpec(name="w0", **common),
         "w2": LoaderSpec(name="w2", num_workers=2, persistent_workers=True, **common),
     }
-    hosts = build_hosts(specs)
-    srv = create_server(hosts, "127.0.0.1:0", max_ring_bytes=MAX_RING_BYTES)
-    srv.start()
-    try:
-        yield f"127.0.0.1:{srv.port}", path
-    finally:
-        srv.stop(0)
-        for host in hosts.values():
-            host.close()
+    settings = ServerSettings(address="127.0.0.1:0", max_ring_bytes=MAX_RING_BYTES)
+    with Server(settings, specs) as server:
+        yield server.address, path
+        server.stop(0)
 
 
 def _sizes(pattern: str, n: int, base: int, data: st.DataObject) -> list[int]:

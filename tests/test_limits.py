@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_loader.client import RemoteLoader, RequestError, ServerError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.service import create_server
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.sharing import MAX_WORLD_SIZE
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ROOT, ServeLoaders
@@ -96,7 +97,7 @@ def test_a_second_server_on_the_same_port_fails_clearly(serve_loaders: ServeLoad
     served = serve_loaders(SQUARES)
     port = served.server.port
     with pytest.raises(OSError, match=rf"cannot listen on 127\.0\.0\.1:{port}: .*another server"):
-        create_server(served.hosts, f"127.0.0.1:{port}")
+        Server(ServerSettings(address=f"127.0.0.1:{port}"), [SQUARES])
     result = subprocess.run(
         [
             sys.executable,

@@ -15,9 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader
-from remote_loader.server.service import build_hosts, create_server
-from remote_loader.server.settings import DEFAULT_MAX_BATCH_BYTES
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES
 from tests.conftest import Served, serve_process, stop_process, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -37,22 +38,17 @@ def serve_metered() -> Iterator[ServeMetered]:
     running: list[Served] = []
 
     def start(*specs: LoaderSpec, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> Served:
-        hosts = build_hosts({s.name: s for s in specs}, max_batch_bytes=max_batch_bytes)
-        try:
-            server = create_server(hosts, "127.0.0.1:0", metrics_address="127.0.0.1:0")
-        except BaseException:
-            for host in hosts.values():
-                host.close()
-            raise
+        settings = ServerSettings(
+            address="127.0.0.1:0", metrics_address="127.0.0.1:0", max_batch_bytes=max_batch_bytes
+        )
+        server = Server(settings, specs)
         server.start()
-        running.append(Served(f"127.0.0.1:{server.port}", hosts, server))
+        running.append(Served(server.address, server.hosts, server))
         return running[-1]
 
     yield start
     for served in running:
         served.server.stop(0)
-        for host in served.hosts.values():
-            host.close()
 
 
 def scrape(served: Served | int) -> Samples:

@@ -18,7 +18,8 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.service import build_hosts, create_server
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec, resolve
 from remote_loader.server.worker import collate_tensors
 from tests.conftest import ServeLoaders, assert_same
@@ -106,13 +107,9 @@ def local_batches(spec: LoaderSpec, seed: int, epoch: int) -> list[Any]:
 def address() -> Iterator[str]:
     specs = [_spec(case, n) for case in CASES for n in WORKERS]
     specs += [_spec("random-aug", 2, in_order=False), _spec("iterable", 3, in_order=False)]
-    hosts = build_hosts({s.name: s for s in specs})
-    server = create_server(hosts, "127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop(0)
-    for host in hosts.values():
-        host.close()
+    with Server(ServerSettings(address="127.0.0.1:0"), specs) as server:
+        yield server.address
+        server.stop(0)
 
 
 @pytest.mark.parametrize("num_workers", WORKERS)
