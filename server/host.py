@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from remote_loader.protos import codec
+from remote_loader.server.errors import ClosingError
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
 from remote_loader.server.sharing import (
-    ClosingError,
     Consumer,
     Engine,
     LeaseAbandoned,

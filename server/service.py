@@ -20,21 +20,19 @@ import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, tcp, wire
+from remote_loader.server.errors import (
+    ClosingError,
+    LoaderNotFound,
+    Overloaded,
+    RequestInvalid,
+    ServerError,
+    SpecChanged,
+)
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.settings import ServerSettings
-from remote_loader.server.sharing import (
-    DEFAULT_JOB,
-    ClosingError,
-    DetachedError,
-    Entry,
-    LoaderBrokenError,
-    Membership,
-    SharingError,
-)
+from remote_loader.server.sharing import DEFAULT_JOB, Entry, Membership
 from remote_loader.server.transport import (
     DEFAULT_CLIENT_SILENCE,
-    ClientSilent,
-    DataConnectionLost,
     DataListener,
     StreamStopped,
     TcpSender,
@@ -85,45 +83,32 @@ class LoaderService:
         with self._streams_changed:
             return self._streams_changed.wait_for(lambda: self._streams == 0, timeout)
 
-    def _refuse_when_draining(self, context: grpc.ServicerContext) -> None:
+    def _refuse_when_draining(self) -> None:
         if self.draining:
-            _abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "the server is shutting down (draining its running streams)",
-            )
+            raise ClosingError("the server is shutting down (draining its running streams)")
 
-    def _host(self, name: str, context: grpc.ServicerContext) -> LoaderHost:
+    def _host(self, name: str) -> LoaderHost:
         if not name:
             if len(self.hosts) == 1:
                 return next(iter(self.hosts.values()))
-            _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"this server hosts several loaders ({', '.join(sorted(self.hosts))}); name one",
+            raise RequestInvalid(
+                f"this server hosts several loaders ({', '.join(sorted(self.hosts))}); name one"
             )
         host = self.hosts.get(name)
         if host is None:
-            _abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}",
+            raise LoaderNotFound(
+                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}"
             )
         return host
 
-    def _membership(
-        self, host: LoaderHost, consumer: pb.Consumer, context: grpc.ServicerContext
-    ) -> Membership:
+    def _membership(self, host: LoaderHost, consumer: pb.Consumer) -> Membership:
         membership = Membership(
             sharing=consumer.sharing or "partition",
             job=consumer.job or DEFAULT_JOB,
             rank=consumer.rank,
             world_size=consumer.world_size if consumer.HasField("world_size") else 1,
         )
-        try:
-            host.check(membership)
-        except SharingError as exc:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        host.check(membership)  # SharingError
         return membership
 
     def ListLoaders(
@@ -132,8 +117,12 @@ class LoaderService:
         return pb.ListLoadersResponse(names=sorted(self.hosts))
 
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
-        self._refuse_when_draining(context)
-        host = self._host(request.loader, context)
+        with _statuses(context):
+            return self._describe(request)
+
+    def _describe(self, request: pb.DescribeRequest) -> pb.LoaderInfo:
+        self._refuse_when_draining()
+        host = self._host(request.loader)
         spec = host.spec
         info = pb.LoaderInfo(
             name=spec.name,
@@ -142,7 +131,7 @@ class LoaderService:
             seed=spec.seed,
             fingerprint=spec.fingerprint(),
         )
-        membership = self._membership(host, request.consumer, context)
+        membership = self._membership(host, request.consumer)
         info.sharing.extend(spec.sharing)
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
@@ -158,7 +147,13 @@ class LoaderService:
         return info
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        self._refuse_when_draining(context)
+        with _statuses(context):
+            yield from self._counted_stream(request, context)
+
+    def _counted_stream(
+        self, request: pb.StreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        self._refuse_when_draining()
         with self._streams_changed:
             full = self._streams >= self.max_streams
             if not full:
@@ -173,12 +168,10 @@ class LoaderService:
                     error=f"max_streams={self.max_streams} streams are running",
                 ),
             )
-            _abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Overloaded(
                 f"this server already runs its max_streams={self.max_streams} streams; retry "
                 "when one ends, or raise the server's max_streams setting (--max-streams, "
-                "REMOTE_LOADER_MAX_STREAMS)",
+                "REMOTE_LOADER_MAX_STREAMS)"
             )
         try:
             yield from self._stream(request, context)
@@ -188,22 +181,20 @@ class LoaderService:
                 self._streams_changed.notify_all()
 
     def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        host = self._host(request.loader, context)
-        membership = self._membership(host, request.consumer, context)
+        host = self._host(request.loader)
+        membership = self._membership(host, request.consumer)
         if request.fingerprint and request.fingerprint != host.spec.fingerprint():
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise SpecChanged(
                 f"loader {host.spec.name!r} has changed: its spec's fingerprint is now "
                 f"{host.spec.fingerprint()}, the consumer's state was saved with "
                 f"{request.fingerprint}; resuming would not line the batches up. Start the "
-                "epoch afresh, or serve the old spec",
+                "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
         start = request.start
         problem = check_positions(host, membership, request.epoch, start)
         if problem is not None:  # before anything reads the dataset
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise RequestInvalid(problem)
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
         context.add_callback(cancelled.set)
@@ -326,36 +317,17 @@ class LoaderService:
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
-        except LoaderBrokenError as exc:
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"loader {host.spec.name!r} cannot make batches: {exc}",
-            )
-        except ClosingError as exc:
-            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except DetachedError as exc:
-            _abort(context, grpc.StatusCode.ABORTED, str(exc))
-        except ClientSilent as exc:
-            if cancelled.is_set():
-                return
-            # A frozen client cannot read this; the log line and the freed ring are the point.
-            _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except DataConnectionLost as exc:
-            if cancelled.is_set():
-                return
-            # The client resumes from the batch it did not get whole (client/receiver.py).
-            _abort(context, grpc.StatusCode.UNAVAILABLE, f"the data connection broke: {exc}")
         except Exception as exc:
             if cancelled.is_set():
-                return
-            log.exception("stream of loader %r failed", host.spec.name)
-            _abort(
-                context,
-                grpc.StatusCode.INTERNAL,
-                f"loader {host.spec.name!r} failed outside the dataset: "
-                f"{type(exc).__name__}: {exc}",
-            )
+                return  # nobody is left to tell; the log line says "cancelled"
+            if not isinstance(exc, ServerError):
+                log.exception("stream of loader %r failed", host.spec.name)
+                exc = ServerError(
+                    f"loader {host.spec.name!r} failed outside the dataset: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            # Here, not in _statuses: the stream's end line below logs the status.
+            _abort_with(context, exc)
         finally:
             if consumer is not None:
                 consumer.close()
@@ -441,6 +413,17 @@ def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) ->
     return {"outcome": "completed" if completed else "ended"}
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    context.abort(code, details)
+@contextlib.contextmanager
+def _statuses(context: grpc.ServicerContext) -> Iterator[None]:
+    """The one mapping of errors to statuses (server/errors.py): a ServerError ends the call
+    with its status and message. (A stream maps its own errors once it has started, so that
+    its end line can log the status; anything else there is reported as a ServerError.)"""
+    try:
+        yield
+    except ServerError as exc:
+        _abort_with(context, exc)
+
+
+def _abort_with(context: grpc.ServicerContext, error: ServerError) -> NoReturn:
+    context.abort(grpc.StatusCode[error.status], str(error))
     raise AssertionError("unreachable: context.abort raises")

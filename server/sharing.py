@@ -28,6 +28,12 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from remote_loader.protos import wire
+from remote_loader.server.errors import (
+    ClosingError,
+    DetachedError,
+    LoaderBrokenError,
+    SharingError,
+)
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
 from remote_loader.server.pool import (
     POLL_INTERVAL,
@@ -84,29 +90,6 @@ MIN_LANE_WINDOW = 2
 
 class LeaseAbandoned(Exception):
     """The Run that waited for an engine closed meanwhile: it needs none any more."""
-
-
-class SharingError(ValueError):
-    """A consumer asked for something the loader does not allow (INVALID_ARGUMENT)."""
-
-
-class DetachedError(RuntimeError):
-    """This consumer was detached from its Run (ABORTED): it held the others back too long."""
-
-
-class ClosingError(DetachedError):
-    """The loader is closing (server shutdown) mid-epoch (UNAVAILABLE): never a normal end."""
-
-
-class LoaderBrokenError(RuntimeError):
-    """The loader cannot make any batch (FAILED_PRECONDITION): the dataset factory or the
-    worker_init_fn raised in its workers. Carries the original traceback."""
-
-    def __init__(self, error: RemoteError) -> None:
-        super().__init__(
-            f"{error.type} {error.where}: {error.message}\nOriginal {error.traceback.rstrip()}"
-        )
-        self.error = error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +347,11 @@ class Consumer:
         with run.cond:
             while True:
                 if run.fatal is not None:
-                    raise LoaderBrokenError(run.fatal)
+                    e = run.fatal
+                    raise LoaderBrokenError(
+                        f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
+                        f"{e.message}\nOriginal {e.traceback.rstrip()}"
+                    )
                 if self.detached is not None:
                     raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
                 if self.closed or cancelled.is_set():

@@ -21,18 +21,13 @@ from collections.abc import Callable
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, tcp, wire
+from remote_loader.server.errors import ClientSilent, DataConnectionLost
 
 log = logging.getLogger(__name__)
 
 
 class StreamStopped(Exception):
     """The stream was cancelled, or its consumer detached, while waiting for the client."""
-
-
-class ClientSilent(Exception):
-    """The client gave no heartbeat (ring counter or data-connection byte) for `client_silence`
-    seconds while the server waited on it: it is frozen or gone (NOTE [ Ring space ], NOTE [ TCP
-    data connection ])."""
 
 
 # How long a client may leave its ring's heartbeat still while the server waits on it, unless
@@ -192,10 +187,6 @@ class _ClientWait:
         return self.silent
 
 
-class DataConnectionLost(Exception):
-    """The client's data connection broke while a batch was being sent."""
-
-
 class TcpSender:
     """Sends a stream's batches on its data connection; owns the socket until `close()`."""
 
@@ -223,7 +214,7 @@ class TcpSender:
         except tcp.SilentClientError as exc:
             raise ClientSilent(str(exc)) from exc
         except OSError as exc:
-            raise DataConnectionLost(str(exc)) from exc
+            raise DataConnectionLost(f"the data connection broke: {exc}") from exc
         self.batches += 1
 
     def close(self) -> None:

@@ -1,0 +1,91 @@
+"""The errors a call can end with, one tree with one mapping to gRPC status codes.
+
+Every error the service reports to a client is a `ServerError`; its class names the status
+(`status`, a grpc.StatusCode name, so this module needs no gRPC and the worker side can import
+it) and its message is the status details. The service maps them in one place
+(service._statuses): anything else that escapes a call is a bug, reported as INTERNAL.
+
+Control flow that is not an error of the call stays outside the tree: StreamStopped (the
+client went while the server waited on it) and LeaseAbandoned (a Run closed before it got its
+engine) are caught where they are raised.
+
+    ServerError (INTERNAL)
+    +-- RequestInvalid (INVALID_ARGUMENT)
+    |   +-- SharingError          a sharing mode, rank or world_size the loader refuses
+    +-- LoaderNotFound (NOT_FOUND)
+    +-- LoaderBrokenError (FAILED_PRECONDITION)   no batch can be made (dataset, init_fn)
+    +-- SpecChanged (FAILED_PRECONDITION)         a resume against another spec
+    +-- Overloaded (RESOURCE_EXHAUSTED)           max_streams reached
+    +-- DetachedError (ABORTED)                   a stalled broadcast consumer was let go
+    +-- Unavailable (UNAVAILABLE)                 retry: the client resumes where it was
+        +-- ClosingError          the server is shutting down mid-epoch, or draining
+        +-- ClientSilent          the client's heartbeat stood still (frozen or gone)
+        +-- DataConnectionLost    the data connection broke mid-batch
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ServerError(Exception):
+    """An error a call ends with; `status` names its gRPC status code."""
+
+    status: ClassVar[str] = "INTERNAL"
+
+
+class RequestInvalid(ServerError, ValueError):
+    """A request field out of its range, or an option the loader does not allow."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class SharingError(RequestInvalid):
+    """A consumer asked for something the loader does not allow."""
+
+
+class LoaderNotFound(ServerError):
+    status = "NOT_FOUND"
+
+
+class LoaderBrokenError(ServerError):
+    """The loader cannot make any batch: the dataset factory or the worker_init_fn raised in
+    its workers. The message carries the original traceback."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class SpecChanged(ServerError):
+    """The consumer's saved state names another spec (fingerprint): resuming would misalign."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class Overloaded(ServerError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class DetachedError(ServerError):
+    """This consumer was detached from its Run: it held the others back too long."""
+
+    status = "ABORTED"
+
+
+class Unavailable(ServerError):
+    """Try again: the client's receiver resumes the stream from the batch it was missing."""
+
+    status = "UNAVAILABLE"
+
+
+class ClosingError(Unavailable):
+    """The server is draining, or shutting down mid-epoch: never a normal end."""
+
+
+class ClientSilent(Unavailable):
+    """The client gave no heartbeat (ring counter or data-connection byte) for `client_silence`
+    seconds while the server waited on it: it is frozen or gone (NOTE [ Ring space ], NOTE [ TCP
+    data connection ])."""
+
+
+class DataConnectionLost(Unavailable):
+    """The client's data connection broke while a batch was being sent."""
