@@ -1,4 +1,4 @@
-"""Regenerates the gRPC stubs in this folder from loader.proto.
+"""Regenerates the message stubs in this folder from loader.proto.
 
 Run `python -m remote_loader.protos.generate` (needs the `test` extra for grpcio-tools).
 tests/test_protos.py runs the same generation into a temporary folder and fails on any difference.
@@ -6,14 +6,15 @@ tests/test_protos.py runs the same generation into a temporary folder and fails 
 
 from __future__ import annotations
 
-import re
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROTO = "loader.proto"
-OUTPUTS = ("loader_pb2.py", "loader_pb2.pyi", "loader_pb2_grpc.py")
+# No grpc_python stubs: the server registers generic handlers and the client calls methods by
+# name (wire.STREAM_METHOD), since frames travel pre-serialized (see wire.py).
+OUTPUTS = ("loader_pb2.py", "loader_pb2.pyi")
 
 
 def generate(out_dir: Path, proto_dir: Path = HERE) -> None:
@@ -27,19 +28,10 @@ def generate(out_dir: Path, proto_dir: Path = HERE) -> None:
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
         str(proto_dir / PROTO),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {proto_dir / PROTO}")
-    # protoc writes `import loader_pb2`, which only works with this folder on sys.path; the
-    # package's import name is remote_loader.protos (STYLE: no bare *_pb2 imports).
-    grpc_file = out_dir / "loader_pb2_grpc.py"
-    text = grpc_file.read_text()
-    text = re.sub(
-        r"^import loader_pb2 as", "from remote_loader.protos import loader_pb2 as", text, flags=re.M
-    )
-    grpc_file.write_text(text)
 
 
 def stale_outputs(proto_dir: Path = HERE) -> list[str]:

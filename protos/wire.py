@@ -42,10 +42,6 @@ CLIENT_KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
-SERVER_KEEPALIVE_OPTIONS = (
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-)
 
 _DATA_FIELD = loader_pb2.Frame.DESCRIPTOR.fields_by_name["data"].number
 _WIRETYPE_VARINT = 0

@@ -1,4 +1,4 @@
-"""The worker pool stage: worker processes, their index queues, the result queue, dispatch.
+"""The worker pool stage: worker processes, their index queues, their result pipes, dispatch.
 
 A pool runs one epoch at a time for one Run (server/sharing.py), which decides which task comes
 next and puts results back in order. The pool sends each task to the next worker that still has
@@ -37,7 +37,7 @@ from remote_loader.server.worker import (
 
 log = logging.getLogger(__name__)
 
-# How long a blocked get on the result queue waits before it checks whether the workers are
+# How long a blocked wait on the result pipes lasts before it checks whether the workers are
 # alive. Short, because it also bounds how fast a run notices it has been closed.
 POLL_INTERVAL = 0.1
 # How long shutdown waits, in all, for the workers to exit on their own before terminating them.
@@ -109,8 +109,8 @@ MAX_TASK_ATTEMPTS = 3
 #      gRPC process, grpc/grpc#16001), with a new queue, an incarnation of its own (slot names
 #      never collide with the dead one's) and the current EpochStart (same base seed);
 #   3. re-issues the dead worker's pending tasks, in order, to the new process. The one it was
-#      making (a shared value the worker sets before each task: its Result may have died unsent
-#      in the queue's feeder thread) is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
+#      making (a shared value the worker sets before each task: its Result may have died half
+#      written to its result pipe) is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
 #      given up and delivered as an error at its position (a poison sample), the epoch going on.
 # A late result of the dead process for a re-issued task is dropped: the first answer counts.
 # Limits: an IterableDataset's position dies with its worker, so its epoch ends with an error;
