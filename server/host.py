@@ -17,16 +17,12 @@ from typing import Any
 
 from remote_loader.protos import codec
 from remote_loader.server.errors import ClosingError
+from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
+from remote_loader.server.run import Consumer, Engine, LeaseAbandoned
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
-from remote_loader.server.sharing import (
-    Consumer,
-    Engine,
-    LeaseAbandoned,
-    Membership,
-    Runs,
-)
+from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
     DEFAULT_MAX_BATCH_BYTES,

@@ -1,6 +1,6 @@
 """The worker pool stage: worker processes, their index queues, their result pipes, dispatch.
 
-A pool runs one epoch at a time for one Run (server/sharing.py), which decides which task comes
+A pool runs one epoch at a time for one Run (server/run.py), which decides which task comes
 next and puts results back in order. The pool sends each task to the next worker that still has
 data, round-robin as torch's _MultiProcessingDataLoaderIter does, and hands back each task's
 outcome as it completes.
@@ -48,7 +48,7 @@ MAX_TASK_ATTEMPTS = 3
 
 # NOTE [ Pool Protocol ]
 #
-# Actors: the thread producing a Run (server/sharing.py), which alone calls begin_epoch /
+# Actors: the thread producing a Run (server/run.py), which alone calls begin_epoch /
 # submit / poll / end_epoch, and `num_workers` worker processes (`worker_loop`). Channels, one
 # pair per worker process: an index queue (server -> worker) and a result pipe (worker ->
 # server, written synchronously). Neither is bounded by size; both are bounded by the protocol:

@@ -29,8 +29,9 @@ from remote_loader.server.errors import (
     SpecChanged,
 )
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.lanes import Entry
+from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.settings import ServerSettings
-from remote_loader.server.sharing import DEFAULT_JOB, Entry, Membership
 from remote_loader.server.transport import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,

@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_loader.client import RemoteLoader, RequestError, ServerError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
+from remote_loader.server.membership import MAX_WORLD_SIZE
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
-from remote_loader.server.sharing import MAX_WORLD_SIZE
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ROOT, ServeLoaders
 from tests.datasets import read_counts

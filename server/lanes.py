@@ -1,0 +1,206 @@
+"""Entries and lanes: the batches a Run has made, in order, and who may take them.
+
+A lane is one sequence of tasks and the entries made from them: a QueueLane hands each entry to
+one consumer (partition: one lane per rank; dynamic: one lane for all), a BroadcastLane lets
+every consumer read every entry at its own cursor (see NOTE [ Sharing ] in server/sharing.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from remote_loader.protos import wire
+from remote_loader.server.pool import (
+    Delivery,
+)
+from remote_loader.server.reorder import Reorderer
+from remote_loader.server.worker import RemoteError
+
+log = logging.getLogger(__name__)
+
+# A partition or dynamic lane keeps at most this many batches made and not yet sent, unless
+# the pool keeps more in flight (prefetch_factor * num_workers), which then is the bound.
+MIN_LANE_WINDOW = 2
+
+
+class Entry:
+    """A batch (or the error at its place) made by a Run, waiting to be sent."""
+
+    def __init__(self, position: int, delivery: Delivery) -> None:
+        self.position = position
+        self.delivery = delivery
+        self.made_at = time.monotonic()
+        # The encoded batch's size (0 for an error), kept: the blob goes once released.
+        self.nbytes = len(delivery.blob) if delivery.blob is not None else 0
+        self._released = False
+        self._frames: list[bytes] | None = None
+        self._blob: bytes | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def error(self) -> RemoteError | None:
+        return self.delivery.error
+
+    def frames(self, batch: int, chunk_size: int) -> list[bytes]:
+        """The batch as Frames numbered `batch`, built once and kept for every consumer.
+
+        Used by broadcast, where every consumer sends the same entry as the same batch number:
+        the copy out of shared memory happens once, and the worker's slot goes back at once.
+        """
+        with self._lock:
+            if self._frames is None:
+                blob = self._blob if self._blob is not None else self.delivery.blob
+                assert blob is not None
+                self._frames = list(
+                    wire.batch_frames(
+                        batch, memoryview(blob), self.delivery.header_nbytes, chunk_size
+                    )
+                )
+                self._release_locked()
+            return self._frames
+
+    def blob(self) -> memoryview:
+        """The encoded batch, copied out of the worker's slot once and kept for every consumer.
+
+        Used by broadcast consumers on shared memory (which copy it into their own rings): the
+        worker's slot goes back at once, as with `frames()`.
+        """
+        with self._lock:
+            if self._blob is None:
+                if not self._released:
+                    assert self.delivery.blob is not None
+                    self._blob = bytes(self.delivery.blob)
+                    self._release_locked()
+                else:  # frames() came first and gave the slot back: the bytes are in them
+                    assert self._frames is not None
+                    self._blob = b"".join(wire.parse_frame(f)[1] for f in self._frames)
+            return memoryview(self._blob)
+
+    def release(self) -> None:
+        """Hands the worker's slot back; idempotent."""
+        with self._lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        if not self._released:
+            self._released = True
+            self.delivery.release()
+
+
+class Lane:
+    """One sequence of tasks and, in its order, the entries made from them.
+
+    A lane starts at position `start` (a resumed consumer): for a map-style dataset the tasks
+    before it are skipped without being run; an IterableDataset cannot skip, so its batches
+    before `start` are made and dropped.
+    """
+
+    def __init__(self, in_order: bool, window: int) -> None:
+        self.in_order = in_order
+        self.tasks: Iterator[Any] | None = None  # None: not begun
+        self.rank = 0  # partition: the rank whose share this lane makes
+        self.window = window
+        self.reorder: Reorderer[Delivery | None] = Reorderer(in_order=in_order)
+        self.issued = 0  # lane-local task ids handed out
+        self.outstanding = 0  # submitted, not yet back
+        self.produced = 0  # positions made
+        self.drop_before = 0  # positions made only to be dropped (IterableDataset resumed)
+        self.tasks_done = True
+        self.abandoned = False  # a partition rank left mid-epoch: make nothing more for it
+
+    def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
+        if iterable:
+            self.drop_before = start
+        else:
+            tasks = itertools.islice(tasks, start, None)
+            self.issued = self.produced = start
+            self.reorder = Reorderer(start, in_order=self.in_order)
+        self.tasks = tasks
+        self.tasks_done = False
+
+    @property
+    def complete(self) -> bool:
+        """Nothing more will be made."""
+        return self.tasks_done and self.outstanding == 0
+
+    def backlog(self) -> int:
+        raise NotImplementedError
+
+    def wants_task(self) -> bool:
+        return not self.tasks_done and not self.abandoned and self.backlog() < self.window
+
+    def add(self, delivery: Delivery) -> None:
+        raise NotImplementedError
+
+    def drop_all(self) -> None:
+        raise NotImplementedError
+
+
+class QueueLane(Lane):
+    """partition and dynamic: entries wait in order; each is taken by exactly one consumer."""
+
+    def __init__(self, in_order: bool, window: int) -> None:
+        super().__init__(in_order, window)
+        self.pending: collections.deque[Entry] = collections.deque()
+        self.taken = 0  # entries taken and not yet done with
+
+    def backlog(self) -> int:
+        return self.outstanding + len(self.pending) + self.taken
+
+    def add(self, delivery: Delivery) -> None:
+        entry = Entry(self.produced, delivery)
+        self.produced += 1
+        if self.abandoned or entry.position < self.drop_before:
+            entry.release()
+        else:
+            self.pending.append(entry)
+
+    def drop_all(self) -> None:
+        while self.pending:
+            self.pending.popleft().release()
+
+    @property
+    def drained(self) -> bool:
+        return self.complete and not self.pending
+
+
+class BroadcastLane(Lane):
+    """broadcast: entries stay until every consumer has sent them (and the window needs room)."""
+
+    def __init__(self, in_order: bool, window: int) -> None:
+        super().__init__(in_order, window)
+        self.entries: collections.deque[Entry] = collections.deque()
+        self.base = 0  # position of entries[0]; > start once anything was retired
+
+    def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
+        super().begin(tasks, start, iterable)
+        self.base = start
+
+    def backlog(self) -> int:
+        return self.outstanding + len(self.entries)
+
+    def add(self, delivery: Delivery) -> None:
+        entry = Entry(self.produced, delivery)
+        self.produced += 1
+        if entry.position < self.drop_before:
+            entry.release()
+            self.base = self.produced
+        else:
+            self.entries.append(entry)
+
+    def entry(self, position: int) -> Entry:
+        return self.entries[position - self.base]
+
+    def retire_before(self, position: int) -> None:
+        while self.entries and self.base < position:
+            self.entries.popleft().release()
+            self.base += 1
+
+    def drop_all(self) -> None:
+        self.retire_before(self.produced)

@@ -1,0 +1,53 @@
+"""Admission: how one consumer takes part in a loader's epochs (sharing mode, job, rank, world
+size), and which memberships a loader refuses (see "Sharing" in the README)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from remote_loader.server.errors import (
+    SharingError,
+)
+from remote_loader.server.spec import SHARING_MODES, LoaderSpec
+
+DEFAULT_JOB = "default"
+# Ranks in one job. DistributedSampler pads every rank's share to world_size * ceil(n /
+# world_size) indices: a request naming 2**32 - 1 ranks would build billions of them.
+MAX_WORLD_SIZE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """How one consumer takes part: sharing mode, job, rank and world size."""
+
+    sharing: str = "partition"
+    job: str = DEFAULT_JOB
+    rank: int = 0
+    world_size: int = 1
+
+    def check(self, spec: LoaderSpec, is_iterable: bool) -> None:
+        """Raises SharingError, saying what is allowed, for a membership the loader refuses."""
+        if self.sharing not in SHARING_MODES:
+            raise SharingError(
+                f"unknown sharing mode {self.sharing!r}; the modes are {', '.join(SHARING_MODES)}"
+            )
+        if self.sharing not in spec.sharing:
+            raise SharingError(
+                f"loader {spec.name!r} does not allow sharing={self.sharing!r}; it allows "
+                f"{', '.join(spec.sharing)} (the server's `sharing` option)"
+            )
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise SharingError(
+                f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {self.world_size}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise SharingError(
+                f"rank {self.rank} is out of range for world_size {self.world_size}: "
+                f"it must be in [0, {self.world_size - 1}]"
+            )
+        if self.sharing == "partition" and self.world_size > 1 and is_iterable:
+            raise SharingError(
+                f"loader {spec.name!r} serves an IterableDataset, which the server cannot split "
+                "between ranks; use sharing='dynamic' (or 'broadcast'), or world_size=1 with a "
+                "dataset that shards itself"
+            )
