@@ -1,0 +1,265 @@
+"""The Run and its registry against a fake engine: the sharing modes' contracts (order, exactly
+once, fairness, the broadcast window, detaching, failures), in-process and fast. The same
+contracts end to end, through worker processes and gRPC, are in test_sharing.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from remote_loader.server.errors import DetachedError
+from remote_loader.server.lanes import MIN_LANE_WINDOW
+from remote_loader.server.membership import Membership
+from remote_loader.server.pool import Delivery, Outcome
+from remote_loader.server.run import Consumer, Engine
+from remote_loader.server.sampling import EpochPlan, share
+from remote_loader.server.sharing import Runs
+from remote_loader.server.spec import LoaderSpec
+
+NEVER = threading.Event()  # a stream that is never cancelled
+CEILING = 30.0  # a bound for waits that take milliseconds (a busy machine takes longer)
+
+
+class FakeEngine:
+    """Makes each task's batch at once (its indices, as JSON bytes), and completes them newest
+    first when `lifo`, so the Run must put them back in order. Counts what it was asked for."""
+
+    def __init__(self, max_outstanding: int = 4, lifo: bool = False) -> None:
+        self.max_outstanding = max_outstanding
+        self.broken = False
+        self.lifo = lifo
+        self.submitted: list[Any] = []  # the indices of each task, in submission order
+        self.released: list[Any] = []
+        self.fail_after: int | None = None  # poll raises once this many tasks were made
+        self._pending: list[tuple[int, Any]] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def begin_epoch(self, base_seed: int) -> None:
+        pass
+
+    def end_epoch(self) -> None:
+        pass
+
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
+        with self._lock:
+            self._pending.append((task_id, indices))
+            self.submitted.append(indices)
+        return True
+
+    def poll(self, timeout: float = 0.1) -> Outcome | None:
+        with self._lock:
+            if not self._pending:
+                return None
+            if self.fail_after is not None and self._made >= self.fail_after:
+                raise RuntimeError("the fake engine broke")
+            task_id, indices = self._pending.pop(-1 if self.lifo else 0)
+            self._made += 1
+        blob = memoryview(json.dumps(indices).encode())
+        return Outcome(task_id, Delivery(blob=blob, release=lambda: self.released.append(indices)))
+
+
+def tasks(n: int) -> list[list[int]]:
+    """An epoch of `n` one-index batches."""
+    return [[i] for i in range(n)]
+
+
+def registry(engine: FakeEngine, epoch: list[list[int]], **options: Any) -> Runs:
+    """The Runs of a loader whose epochs are `epoch` (split by rank as DistributedSampler
+    splits it), each produced by `engine`."""
+    spec = LoaderSpec(name="fake", dataset="tests.datasets:Squares", **options)
+
+    def plan(seed: int, number: int, world_size: int) -> EpochPlan:
+        return EpochPlan(
+            seed, number, 0, world_size, lambda r: iter(share(epoch, r, world_size, False))
+        )
+
+    def lease(job: str, give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
+        return contextlib.nullcontext(engine)
+
+    return Runs(spec, plan, lease, iterable=False)
+
+
+def read(consumer: Consumer, hold: float = 0.0) -> list[Any]:
+    """Every batch `consumer` gets, in order, as its indices; sleeps `hold` s per batch."""
+    got = []
+    while (entry := consumer.next(NEVER)) is not None:
+        assert entry.error is None, entry.error
+        assert entry.delivery.blob is not None
+        got.append(json.loads(bytes(entry.delivery.blob)))
+        time.sleep(hold)
+        consumer.done(entry)
+    consumer.close()
+    return got
+
+
+def in_threads(*jobs: Callable[[], Any]) -> list[Any]:
+    """Runs each job in a thread of its own; their results, or raises the first error."""
+    results: list[Any] = [None] * len(jobs)
+
+    def run(k: int) -> None:
+        try:
+            results[k] = jobs[k]()
+        except BaseException as exc:
+            results[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(CEILING)
+        assert not t.is_alive(), "a consumer is stuck"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+@pytest.mark.parametrize("lifo", [False, True])
+def test_partition_ranks_get_their_shares_in_order_and_every_slot_goes_back(lifo: bool) -> None:
+    engine = FakeEngine(lifo=lifo)
+    runs = registry(engine, tasks(11))
+    ranks = [runs.attach(Membership("partition", "job", r, 2), seed=0, epoch=0) for r in (0, 1)]
+    assert ranks[0].run is ranks[1].run  # one production for the job
+    got = in_threads(*(lambda c=c: read(c) for c in ranks))
+    assert got == [share(tasks(11), r, 2, False) for r in (0, 1)]
+    assert sorted(map(str, engine.released)) == sorted(map(str, engine.submitted))
+    assert len(engine.submitted) == 12  # 11 and one repeated to even the shares, made once
+    assert not runs.active()
+
+
+def test_no_partition_rank_runs_ahead_of_another_by_more_than_its_window() -> None:
+    engine = FakeEngine(max_outstanding=1)
+    runs = registry(engine, tasks(20))
+    ranks = [runs.attach(Membership("partition", "job", r, 2), seed=0, epoch=0) for r in (0, 1)]
+    in_threads(*(lambda c=c: read(c) for c in ranks))
+    # Rank 0 has 0, 2, 4, ...; rank 1 has 1, 3, 5, ...: the lanes take turns, and a lane
+    # holds at most its window of batches made and unsent, so at no point has one rank had
+    # more than that (plus the task in flight) made ahead of the other.
+    lead = max(
+        abs(sum(1 if i % 2 == 0 else -1 for [i] in engine.submitted[:k]))
+        for k in range(len(engine.submitted) + 1)
+    )
+    assert lead <= MIN_LANE_WINDOW + engine.max_outstanding, engine.submitted
+    assert sorted(engine.submitted) == tasks(20)
+
+
+def test_broadcast_consumers_each_read_every_batch() -> None:
+    engine = FakeEngine(lifo=True)
+    runs = registry(engine, tasks(9), broadcast_window=2)
+    group = [runs.attach(Membership("broadcast", "job", r, 3), seed=0, epoch=0) for r in range(3)]
+    assert len({c.run for c in group}) == 1
+    got = in_threads(*(lambda c=c, k=k: read(c, hold=0.001 * k) for k, c in enumerate(group)))
+    assert got == [tasks(9)] * 3
+    assert engine.submitted == tasks(9)  # made once for the three
+    assert sorted(map(str, engine.released)) == sorted(map(str, engine.submitted))
+
+
+def test_a_broadcast_consumer_that_reads_nothing_is_detached_after_detach_timeout() -> None:
+    engine = FakeEngine(max_outstanding=1)
+    runs = registry(engine, tasks(30), broadcast_window=2, detach_timeout=0.3)
+    reader, stalled = (runs.attach(Membership("broadcast", "job", r, 2), 0, 0) for r in (0, 1))
+    first = stalled.next(NEVER)  # takes batch 0, then sends nothing
+    assert first is not None
+    assert read(reader) == tasks(30)  # held at most detach_timeout, then the rest
+    with pytest.raises(DetachedError, match=r"sent no batch for 0\.3 s \(detach_timeout\)"):
+        stalled.next(NEVER)
+    stalled.close()
+
+
+def test_the_broadcast_window_bounds_how_far_production_runs_ahead() -> None:
+    engine = FakeEngine(max_outstanding=1)
+    runs = registry(engine, tasks(30), broadcast_window=3, detach_timeout=CEILING)
+    fast, slow = (runs.attach(Membership("broadcast", "job", r, 2), 0, 0) for r in (0, 1))
+    consumed: list[Any] = []
+    reading = threading.Thread(target=lambda: consumed.extend(read(fast)))
+    reading.start()
+    time.sleep(0.5)  # the fast consumer has read what the window lets it
+    # Nothing sent by the slow one: at most the window, plus the task in flight, was made.
+    assert len(engine.submitted) <= 3 + 1 and len(consumed) <= 3
+    assert read(slow) == tasks(30)
+    reading.join(CEILING)
+    assert consumed == tasks(30)
+
+
+def test_dynamic_consumers_share_the_batches_exactly_once() -> None:
+    engine = FakeEngine(lifo=True)
+    runs = registry(engine, tasks(40), sharing=["dynamic"])
+    pair = [runs.attach(Membership("dynamic", "job"), 0, 0) for _ in range(2)]
+    got = in_threads(*(lambda c=c: read(c, hold=0.001) for c in pair))
+    assert sorted(i for share_ in got for [i] in share_) == list(range(40))
+    for share_ in got:  # each consumer's batches come in the epoch's order
+        assert share_ == sorted(share_)
+
+
+def test_a_failing_engine_ends_each_stream_with_the_error_at_its_position() -> None:
+    engine = FakeEngine(max_outstanding=1)
+    engine.fail_after = 3
+    runs = registry(engine, tasks(10))
+    consumer = runs.attach(Membership("partition", "job"), 0, 0)
+    made = []
+    while (entry := consumer.next(NEVER)) is not None:
+        if entry.error is not None:
+            e = entry.error
+            assert (e.type, e.message, e.where) == (
+                "RuntimeError",
+                "the fake engine broke",
+                "in the server process",
+            )
+            consumer.done(entry)
+            break
+        assert entry.delivery.blob is not None
+        made.append(json.loads(bytes(entry.delivery.blob)))
+        consumer.done(entry)
+    else:
+        pytest.fail("the stream ended without the engine's error")
+    assert made == tasks(3)
+    consumer.close()
+
+
+def test_a_cancelled_consumer_is_let_go_without_waiting() -> None:
+    engine = FakeEngine()
+    runs = registry(engine, tasks(1000))
+    consumer = runs.attach(Membership("partition", "job"), 0, 0)
+    entry = consumer.next(NEVER)
+    assert entry is not None
+    asked = time.monotonic()
+    consumer.let_go()  # gRPC's cancellation callback: queues it, returns at once
+    assert time.monotonic() - asked < 1.0
+    deadline = time.monotonic() + CEILING
+    while runs.active() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not runs.active()  # the reaper detached it; the Run ended with its last consumer
+    runs.close()
+
+
+def test_resumed_consumers_start_at_their_position() -> None:
+    engine = FakeEngine()
+    runs = registry(engine, tasks(12))
+    consumer = runs.attach(Membership("partition", "job"), seed=0, epoch=0, start=7)
+    assert read(consumer) == tasks(12)[7:]
+    assert engine.submitted == tasks(12)[7:]  # the skipped ones were never made
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + CEILING
+    while time.monotonic() < deadline:
+        left = [t for t in set(threading.enumerate()) - before if t.name.startswith("rl-run")]
+        if not left:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"Run threads left running: {left}")
