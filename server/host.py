@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from remote_loader.protos import codec
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
@@ -27,13 +26,16 @@ from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
     DEFAULT_MAX_BATCH_BYTES,
     Fetcher,
-    RemoteError,
     build_dataset,
-    check_batch_size,
+    make_batch,
     seed_rngs,
 )
 
 log = logging.getLogger(__name__)
+
+
+# Where an inline (num_workers=0) batch failed, in its error.
+INLINE = "in the server process"
 
 
 class InlineEngine:
@@ -87,21 +89,15 @@ class InlineEngine:
         assert self._fetcher is not None
         task_id, indices, seed = self._queue.popleft()
         self.outstanding -= 1
-        if seed is not None:
-            seed_rngs(seed, 0)
         started = time.monotonic()
-        try:
-            batch = self._fetcher.fetch(indices)
-            encoded = codec.encode(batch)
-            check_batch_size(encoded.total_nbytes, self._max_batch_bytes)
-        except StopIteration:
-            return Outcome(task_id, None)
-        except Exception as exc:
-            self._metrics.make.observe(time.monotonic() - started)
-            return Outcome(
-                task_id, Delivery(error=RemoteError.capture("in the server process", exc))
-            )
+        made = make_batch(self._fetcher, indices, seed, self._max_batch_bytes, INLINE)
+        if made.error is None and made.encoded is None:
+            return Outcome(task_id, None)  # the IterableDataset ran dry
         self._metrics.make.observe(time.monotonic() - started)
+        if made.error is not None:
+            return Outcome(task_id, Delivery(error=made.error))
+        encoded = made.encoded
+        assert encoded is not None
         return Outcome(
             task_id,
             Delivery(blob=memoryview(encoded.to_bytes()), header_nbytes=len(encoded.header)),

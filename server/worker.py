@@ -341,8 +341,6 @@ def worker_loop(cfg: WorkerConfig) -> None:
         slots.release(msg.released)
         if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:
             continue  # an abandoned epoch: the server no longer waits for this result
-        if msg.seed is not None:
-            seed_rngs(msg.seed, 0)
         cfg.current_task.value = msg.task_id
         result = _run_task(cfg, msg, fetcher, slots, init_error, where)
         cfg.current_task.value = -1
@@ -352,6 +350,37 @@ def worker_loop(cfg: WorkerConfig) -> None:
             return  # the server is gone (or replaced this worker): nobody reads results
         del result
         del msg
+
+
+@dataclasses.dataclass
+class Made:
+    """One task's outcome: the encoded batch, or the error at its place; neither when the
+    worker's IterableDataset has run dry."""
+
+    encoded: codec.Encoded | None = None
+    error: RemoteError | None = None
+
+
+def make_batch(
+    fetcher: Fetcher, indices: Any, seed: int | None, max_batch_bytes: int, where: str
+) -> Made:
+    """One task, the same in a worker process and inline (num_workers=0): seed the RNGs (with
+    seeding = "per_batch"), fetch and collate, encode, check the size. The size is checked
+    before anything takes a shared-memory slot: an oversized batch never reaches it."""
+    if seed is not None:
+        seed_rngs(seed, 0)
+    try:
+        batch = fetcher.fetch(indices)
+    except StopIteration:
+        return Made()
+    except Exception as exc:
+        return Made(error=RemoteError.capture(where, exc))
+    try:
+        encoded = codec.encode(batch)
+        check_batch_size(encoded.total_nbytes, max_batch_bytes)
+    except Exception as exc:
+        return Made(error=RemoteError.capture(f"encoding a batch {where}", exc))
+    return Made(encoded=encoded)
 
 
 def _run_task(
@@ -378,19 +407,12 @@ def _run_task(
     if init_error is not None:
         return base(error=init_error, fatal=True)
     assert fetcher is not None
-    try:
-        batch = fetcher.fetch(task.indices)
-    except StopIteration:
+    made = make_batch(fetcher, task.indices, task.seed, cfg.max_batch_bytes, where)
+    if made.error is not None:
+        return base(error=made.error)
+    if made.encoded is None:
         return base(exhausted=True)
-    except Exception as exc:
-        return base(error=RemoteError.capture(where, exc))
-    try:
-        encoded = codec.encode(batch)
-        # Before taking a slot: an oversized batch never reaches shared memory.
-        check_batch_size(encoded.total_nbytes, cfg.max_batch_bytes)
-    except Exception as exc:
-        return base(error=RemoteError.capture(f"encoding a batch {where}", exc))
-    del batch
+    encoded = made.encoded
     slot, buffer, new_buffer, dropped = slots.take(encoded.total_nbytes)
     encoded.write_blob(buffer[: encoded.total_nbytes])
     return base(
