@@ -34,7 +34,7 @@ from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import ConfigError, LoaderSpec
-from remote_loader.server.transport import DataListener
+from remote_loader.server.transports import DataListener
 
 log = logging.getLogger(__name__)
 

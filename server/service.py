@@ -19,7 +19,7 @@ from typing import NoReturn
 import grpc
 
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, tcp, wire
+from remote_loader.protos import shm, wire
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
@@ -32,12 +32,13 @@ from remote_loader.server.host import LoaderHost
 from remote_loader.server.lanes import Entry
 from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.settings import ServerSettings
-from remote_loader.server.transport import (
+from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,
+    Sender,
     StreamStopped,
-    TcpSender,
-    accept_offer,
+    connect,
+    negotiate,
 )
 
 log = logging.getLogger(__name__)
@@ -214,46 +215,31 @@ class LoaderService:
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
         )
-        # Same host? Read the client's probe now (it is removed either way).
-        sender = (
-            accept_offer(request.shm, self.max_ring_bytes, self.client_silence)
-            if request.HasField("shm")
-            else None
+        shared = membership.sharing == "broadcast"
+        negotiated = negotiate(
+            request,
+            chunk_size=self.chunk_size,
+            shared=shared,
+            max_ring_bytes=self.max_ring_bytes,
+            client_silence=self.client_silence,
+            listener=self.listener,
         )
-        transport = "shm" if sender is not None else "grpc"
-        if request.HasField("shm") and sender is None:
-            transport += " (shm offered, declined)"
-        ticket = None
-        if sender is None and request.tcp and self.listener is not None:
-            ticket = self.listener.expect()
-            transport = "tcp"
-        log.info("stream start %s %s", who, logfmt(transport=transport))
+        log.info("stream start %s %s", who, logfmt(transport=negotiated.described))
+        sender: Sender = negotiated.sender
         consumer = None
-        tcp_sender: TcpSender | None = None
         try:
-            if ticket is not None:
+            if negotiated.ticket is not None:
                 assert self.listener is not None
-                yield wire.control_frame(
-                    pb.Frame(tcp_channel=pb.TcpChannel(port=self.listener.port, ticket=ticket))
+                connected = yield from connect(
+                    negotiated, self.listener, cancelled.is_set, self.client_silence, who
                 )
-                sock = self.listener.wait(ticket, cancelled.is_set)
-                if cancelled.is_set():
-                    if sock is not None:
-                        sock.close()
-                    return  # the client went, or cancelled to go on without a data connection
-                if sock is None:
-                    log.warning(
-                        "no data connection within %g s, sending Frames: %s",
-                        tcp.ACCEPT_TIMEOUT,
-                        who,
-                    )
-                else:
-                    tcp_sender = TcpSender(sock, self.client_silence)
+                if connected is None:
+                    return
+                sender = connected
             consumer = host.attach(membership, seed, request.epoch, start)
             # Detach at once when the client goes, even if this thread is stuck sending; only
             # marking: the callback runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-            shared_frames = membership.sharing == "broadcast"
 
             def stopped() -> bool:
                 assert consumer is not None
@@ -262,44 +248,10 @@ class LoaderService:
             while (entry := consumer.next(cancelled)) is not None:
                 try:
                     if entry.error is not None:
-                        e = entry.error
-                        yield wire.control_frame(
-                            pb.Frame(
-                                batch=batches,
-                                error=pb.RemoteError(
-                                    where=e.where,
-                                    type=e.type,
-                                    message=e.message,
-                                    traceback=e.traceback,
-                                ),
-                            )
-                        )
-                    elif sender is not None and (
-                        frame := sender.frame(
-                            batches,
-                            entry.blob() if shared_frames else _blob(entry),
-                            entry.delivery.header_nbytes,
-                            stopped,
-                        )
-                    ):
-                        yield frame
-                        nbytes += entry.nbytes
-                    elif tcp_sender is not None:
-                        view = entry.blob() if shared_frames else _blob(entry)
-                        yield tcp_sender.frame(batches, view, entry.delivery.header_nbytes)
-                        tcp_sender.send(view, stopped)
-                        nbytes += entry.nbytes
-                    elif shared_frames:
-                        frames = entry.frames(batches, self.chunk_size)
-                        yield from frames
-                        nbytes += entry.nbytes
+                        yield _error_frame(batches, entry)
                     else:
-                        blob = entry.delivery.blob
-                        assert blob is not None
-                        yield from wire.batch_frames(
-                            batches, blob, entry.delivery.header_nbytes, self.chunk_size
-                        )
-                        nbytes += len(blob)
+                        yield from sender.send(batches, entry, stopped)
+                        nbytes += entry.nbytes
                 except StreamStopped:
                     if cancelled.is_set():
                         return  # the finally below closes the consumer; nothing more to send
@@ -311,10 +263,9 @@ class LoaderService:
             # Detach before the end frame: the last consumer out gives the workers back first,
             # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
             consumer.close()
-            if sender is not None:
-                # The ring's name must outlive the client's opening it (it may be behind).
-                with contextlib.suppress(StreamStopped):
-                    sender.finish(cancelled.is_set)
+            # A ring's name must outlive the client's opening it (it may be behind).
+            with contextlib.suppress(StreamStopped):
+                sender.finish(cancelled.is_set)
             if not cancelled.is_set():
                 yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
                 completed = True
@@ -332,10 +283,7 @@ class LoaderService:
         finally:
             if consumer is not None:
                 consumer.close()
-            if sender is not None:
-                sender.close()
-            if tcp_sender is not None:
-                tcp_sender.close()
+            sender.close()
             outcome = _outcome(context, cancelled.is_set() and not completed, completed)
             log.log(
                 logging.WARNING if "status" in outcome else logging.INFO,
@@ -344,8 +292,7 @@ class LoaderService:
                 logfmt(
                     batches=batches - start,
                     bytes=nbytes,
-                    shm_batches=sender.batches if sender is not None else 0,
-                    tcp_batches=tcp_sender.batches if tcp_sender is not None else 0,
+                    **{f"{sender.name}_batches": sender.batches},
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
@@ -383,10 +330,12 @@ def check_positions(host: LoaderHost, membership: Membership, epoch: int, start:
     return None
 
 
-def _blob(entry: Entry) -> memoryview:
-    blob = entry.delivery.blob
-    assert blob is not None, "an entry without an error has a blob"
-    return blob
+def _error_frame(batch: int, entry: Entry) -> bytes:
+    """The Frame that says batch `batch` failed, with the original exception."""
+    e = entry.error
+    assert e is not None
+    error = pb.RemoteError(where=e.where, type=e.type, message=e.message, traceback=e.traceback)
+    return wire.control_frame(pb.Frame(batch=batch, error=error))
 
 
 def logfmt(**fields: object) -> str:
