@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool import POLL_INTERVAL, Delivery, Outcome, WorkerPool
-from remote_loader.server.run import Consumer, Engine, LeaseAbandoned
+from remote_loader.server.pool import WorkerPool
+from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec

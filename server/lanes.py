@@ -16,9 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from remote_loader.protos import wire
-from remote_loader.server.pool import (
-    Delivery,
-)
+from remote_loader.server.engine import Delivery
 from remote_loader.server.reorder import Reorderer
 from remote_loader.server.worker import RemoteError
 

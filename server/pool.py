@@ -19,9 +19,15 @@ import multiprocessing.context
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
+from remote_loader.server.engine import (
+    POLL_INTERVAL,
+    Delivery,
+    Outcome,
+    WorkerDiedError,
+    WorkerInitError,
+)
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
@@ -37,9 +43,6 @@ from remote_loader.server.worker import (
 
 log = logging.getLogger(__name__)
 
-# How long a blocked wait on the result pipes lasts before it checks whether the workers are
-# alive. Short, because it also bounds how fast a run notices it has been closed.
-POLL_INTERVAL = 0.1
 # How long shutdown waits, in all, for the workers to exit on their own before terminating them.
 WORKER_JOIN_TIMEOUT = 5.0
 # How many times a batch is tried when its worker dies while making it (a sample that crashes
@@ -121,48 +124,6 @@ MAX_TASK_ATTEMPTS = 3
 # at its position: an error within timeout + 0.1 s plus the restart, never a hang.
 # Fatal: a worker whose dataset factory or worker_init_fn raised answers every task with a fatal
 # Result; the Run ends all its streams with FAILED_PRECONDITION and the original traceback.
-
-
-class WorkerDiedError(RuntimeError):
-    """Workers kept dying without finishing a batch, or a worker of an IterableDataset died."""
-
-
-class WorkerInitError(RuntimeError):
-    """A worker cannot load anything: the dataset factory or worker_init_fn raised there."""
-
-    def __init__(self, error: RemoteError) -> None:
-        super().__init__(f"{error.type}: {error.message}")
-        self.error = error
-
-
-def _nothing() -> None:
-    pass
-
-
-@dataclasses.dataclass
-class Delivery:
-    """One batch made for a Run: its encoded blob, or the error raised making it.
-
-    `blob` stays valid until `release()` is called; the consumer calls it once it has copied
-    the bytes out.
-    """
-
-    blob: memoryview | None = None
-    header_nbytes: int = 0
-    error: RemoteError | None = None
-    release: Callable[[], None] = _nothing
-    # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
-    # the queue and latency metrics).
-    submitted_at: float = 0.0
-    received_at: float = 0.0
-
-
-@dataclasses.dataclass
-class Outcome:
-    """A submitted task came back: its Delivery, or None when the worker had run dry."""
-
-    task_id: int
-    delivery: Delivery | None
 
 
 @dataclasses.dataclass

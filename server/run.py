@@ -14,8 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
 
+from remote_loader.server.engine import (
+    POLL_INTERVAL,
+    Delivery,
+    Engine,
+    WorkerDiedError,
+    WorkerInitError,
+)
 from remote_loader.server.errors import (
     ClosingError,
     DetachedError,
@@ -24,13 +30,6 @@ from remote_loader.server.errors import (
 from remote_loader.server.lanes import MIN_LANE_WINDOW, BroadcastLane, Entry, Lane, QueueLane
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool import (
-    POLL_INTERVAL,
-    Delivery,
-    Outcome,
-    WorkerDiedError,
-    WorkerInitError,
-)
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError
@@ -40,21 +39,6 @@ log = logging.getLogger(__name__)
 
 class LeaseAbandoned(Exception):
     """The Run that waited for an engine closed meanwhile: it needs none any more."""
-
-
-class Engine(Protocol):
-    """What a Run drives: the loader's worker pool, or in-process loading (num_workers=0)."""
-
-    max_outstanding: int
-    broken: bool
-
-    @property
-    def outstanding(self) -> int: ...
-
-    def begin_epoch(self, base_seed: int) -> None: ...
-    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool: ...
-    def poll(self, timeout: float = ...) -> Outcome | None: ...
-    def end_epoch(self) -> None: ...
 
 
 class Consumer:

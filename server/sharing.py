@@ -22,10 +22,11 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from remote_loader.server.engine import Engine
 from remote_loader.server.lanes import QueueLane
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
-from remote_loader.server.run import Consumer, Engine, Run, RunKey
+from remote_loader.server.run import Consumer, Run, RunKey
 from remote_loader.server.sampling import EpochPlan
 from remote_loader.server.spec import LoaderSpec
 

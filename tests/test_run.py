@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from remote_loader.server.engine import Delivery, Engine, Outcome
 from remote_loader.server.errors import DetachedError
 from remote_loader.server.lanes import MIN_LANE_WINDOW
 from remote_loader.server.membership import Membership
-from remote_loader.server.pool import Delivery, Outcome
-from remote_loader.server.run import Consumer, Engine
+from remote_loader.server.run import Consumer
 from remote_loader.server.sampling import EpochPlan, share
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec

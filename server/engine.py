@@ -1,0 +1,74 @@
+"""The engine seam: what a Run drives to make its batches (server/run.py), and what comes back.
+
+Two engines fill it: the worker pool (server/pool.py) and in-process loading for
+num_workers = 0 (InlineEngine, server/host.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from remote_loader.server.worker import RemoteError
+
+# How long one engine poll blocks (the pool: on its result pipes) before it checks whether the
+# workers are alive. Short, because it also bounds how fast a run notices it has been closed.
+POLL_INTERVAL = 0.1
+
+
+class Engine(Protocol):
+    """What a Run drives: the loader's worker pool, or in-process loading (num_workers=0)."""
+
+    max_outstanding: int
+    broken: bool
+
+    @property
+    def outstanding(self) -> int: ...
+
+    def begin_epoch(self, base_seed: int) -> None: ...
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool: ...
+    def poll(self, timeout: float = ...) -> Outcome | None: ...
+    def end_epoch(self) -> None: ...
+
+
+class WorkerDiedError(RuntimeError):
+    """Workers kept dying without finishing a batch, or a worker of an IterableDataset died."""
+
+
+class WorkerInitError(RuntimeError):
+    """A worker cannot load anything: the dataset factory or worker_init_fn raised there."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(f"{error.type}: {error.message}")
+        self.error = error
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclasses.dataclass
+class Delivery:
+    """One batch made for a Run: its encoded blob, or the error raised making it.
+
+    `blob` stays valid until `release()` is called; the consumer calls it once it has copied
+    the bytes out.
+    """
+
+    blob: memoryview | None = None
+    header_nbytes: int = 0
+    error: RemoteError | None = None
+    release: Callable[[], None] = _nothing
+    # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
+    # the queue and latency metrics).
+    submitted_at: float = 0.0
+    received_at: float = 0.0
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A submitted task came back: its Delivery, or None when the worker had run dry."""
+
+    task_id: int
+    delivery: Delivery | None
