@@ -195,7 +195,7 @@ class LoaderHost:
         """The engine for one Run: in-process loading, the persistent pool, or a pool of its own.
 
         A persistent pool runs one epoch at a time (its workers' RNGs are per epoch). While a Run
-        of the same job holds it, a new Run waits for it, up to detach_timeout: that is the next
+        of the same job holds it, a new Run waits for it, up to workers_timeout: that is the next
         epoch of the same trainers, whose slowest rank is finishing the last one. A Run of
         another job gets workers of its own at once.
         """
@@ -222,7 +222,9 @@ class LoaderHost:
             self._give_back(pool)
 
     def _take_persistent(self, job: str, give_up: Callable[[], bool]) -> WorkerPool | None:
-        deadline = time.monotonic() + self.spec.detach_timeout
+        wait = self.spec.workers_timeout
+        assert wait is not None  # LoaderSpec sets it (None: as detach_timeout)
+        deadline = time.monotonic() + wait
         with self._cond:
             while True:
                 if self._closed:

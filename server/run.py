@@ -91,12 +91,14 @@ class Consumer:
                         return self._took(entry, asked)
                     # dynamic: not while another consumer still holds batches, which come back
                     # here if it goes away before it has sent them; a peer that holds one
-                    # longer than detach_timeout does not keep this stream open.
+                    # longer than handback_timeout does not keep this stream open.
                     if lane.complete:
                         now = time.monotonic()
                         if peers_since is None:
                             peers_since = now
-                        if lane.taken == 0 or now - peers_since >= run.spec.detach_timeout:
+                        if lane.taken == 0 or now - peers_since >= _seconds(
+                            run.spec.handback_timeout
+                        ):
                             return None
                 run.cond.wait(POLL_INTERVAL)
 
@@ -192,7 +194,7 @@ class Run:
             self.lanes.append(QueueLane(in_order, self._window))
             self.lanes[0].begin(plan.lane(0), 0, iterable)
         # broadcast with a known group: nothing is retired until all of it has joined (or
-        # detach_timeout has passed), so consumers that start a little apart still share.
+        # group_timeout has passed), so consumers that start a little apart still share.
         self._holding_for_group = key.sharing == "broadcast" and key.world_size > 1
         self._thread = threading.Thread(
             target=self._produce,
@@ -442,7 +444,7 @@ class Run:
     def _check_group(self) -> None:
         if self._holding_for_group and (
             len(self.ranks_joined) >= self.key.world_size
-            or time.monotonic() - self.started_at >= self.spec.detach_timeout
+            or time.monotonic() - self.started_at >= _seconds(self.spec.group_timeout)
         ):
             self._holding_for_group = False
 
@@ -456,3 +458,9 @@ class Run:
                     lane.add(Delivery(error=error))
             self._tasks.clear()
             self.cond.notify_all()
+
+
+def _seconds(timeout: float | None) -> float:
+    """A sharing wait of the spec: set by LoaderSpec (None only before __post_init__)."""
+    assert timeout is not None
+    return timeout

@@ -31,6 +31,11 @@ class ConfigError(ValueError):
     """A config file or flag that cannot be turned into a loader spec."""
 
 
+# The sharing waits, each in seconds (see LoaderSpec): detach_timeout, and those that were
+# detach_timeout until they got names of their own (None: as detach_timeout).
+SHARING_TIMEOUTS = ("detach_timeout", "group_timeout", "workers_timeout", "handback_timeout")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoaderSpec:
     """One named loader: a dataset factory and the torch DataLoader options to run it with.
@@ -66,11 +71,19 @@ class LoaderSpec:
     # the modes clients may ask for. `partition_drop_last` is DistributedSampler's drop_last:
     # false pads the shares to equal length with repeated samples, true drops the tail.
     # `broadcast_window` bounds how many batches the fastest broadcast consumer may be ahead of
-    # the slowest; `detach_timeout` is how long a stalled consumer may hold the others.
+    # the slowest; `detach_timeout` is how long a stalled broadcast consumer may hold the
+    # others. The three waits after it were all detach_timeout once; None still means that.
     sharing: tuple[str, ...] = SHARING_MODES
     partition_drop_last: bool = False
     broadcast_window: int = 8
     detach_timeout: float = 30.0
+    # broadcast with world_size N: how long nothing is retired while the group joins.
+    group_timeout: float | None = None
+    # how long a new Run waits for the job's persistent workers, held by its previous epoch.
+    workers_timeout: float | None = None
+    # dynamic, at the end of the epoch: how long a consumer waits for batches a peer holds
+    # (and would hand back if it went away) before its stream ends.
+    handback_timeout: float | None = None
 
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
@@ -95,11 +108,14 @@ class LoaderSpec:
             raise ConfigError(
                 f"{where}: broadcast_window must be at least 1 batch, got {self.broadcast_window}"
             )
-        if not self.detach_timeout > 0:
-            raise ConfigError(
-                f"{where}: detach_timeout must be a positive number of seconds, "
-                f"got {self.detach_timeout}"
-            )
+        for key in SHARING_TIMEOUTS:
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ConfigError(
+                    f"{where}: {key} must be a positive number of seconds, got {value}"
+                )
+            if value is None:  # as detach_timeout, which all four were once
+                object.__setattr__(self, key, self.detach_timeout)
 
     def to_json(self) -> dict[str, Any]:
         """The spec as plain JSON values (batch_size None stays None)."""
@@ -123,7 +139,7 @@ class LoaderSpec:
             "in_order",
             "sharing",
             "broadcast_window",
-            "detach_timeout",
+            *SHARING_TIMEOUTS,
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
@@ -199,7 +215,7 @@ def _check_type(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    if key in ("timeout", "detach_timeout"):
+    if key == "timeout" or key in SHARING_TIMEOUTS:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{where} must be a number of seconds, got {value!r}")
         return float(value)
@@ -315,6 +331,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--partition-drop-last", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--broadcast-window", type=int, default=8, metavar="BATCHES")
     g.add_argument("--detach-timeout", type=float, default=30.0, metavar="SECONDS")
+    for key in SHARING_TIMEOUTS[1:]:
+        g.add_argument(f"--{key.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
 
 
 def spec_from_args(args: argparse.Namespace) -> LoaderSpec:

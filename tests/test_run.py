@@ -263,3 +263,21 @@ def _no_thread_left() -> Iterator[None]:
             return
         time.sleep(0.01)
     pytest.fail(f"Run threads left running: {left}")
+
+
+def test_a_broadcast_group_waits_group_timeout_for_its_ranks_not_detach_timeout() -> None:
+    # Rank 1 of 2 never comes: after group_timeout the Run stops holding batches for it, while
+    # detach_timeout (a stalled consumer's allowance) stays long.
+    engine = FakeEngine(max_outstanding=1)
+    runs = registry(engine, tasks(30), broadcast_window=2, group_timeout=0.2, detach_timeout=600)
+    alone = runs.attach(Membership("broadcast", "job", 0, 2), 0, 0)
+    started = time.monotonic()
+    assert read(alone) == tasks(30)
+    assert time.monotonic() - started < CEILING / 3  # waited 0.2 s, not 600
+
+
+def test_the_sharing_waits_default_to_detach_timeout() -> None:
+    spec = LoaderSpec(name="a", dataset="m:f", detach_timeout=7.0, handback_timeout=2.0)
+    assert (spec.group_timeout, spec.workers_timeout, spec.handback_timeout) == (7.0, 7.0, 2.0)
+    with pytest.raises(ValueError, match="workers_timeout must be a positive number of seconds"):
+        LoaderSpec(name="a", dataset="m:f", workers_timeout=0)
