@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.auth import ServerTLS, TokenInterceptor
+from remote_loader.server.auth import TokenInterceptor
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
@@ -165,8 +165,8 @@ def serve(
             "serving %s on port %d (%s, %s)",
             names,
             server.port,
-            _tls_mode(server._server.tls),
-            "token required" if server._server.token else "no token",
+            _tls_mode(settings),
+            "token required" if settings.token or settings.token_file else "no token",
         )
         print(f"remote-loader: serving {names} on port {server.port}", flush=True)
         if server.metrics_port is not None:
@@ -238,8 +238,6 @@ class LoaderServer:
     health: health.HealthServicer
     # The Prometheus endpoint (metrics_address), bound; None when off.
     metrics: MetricsServer | None = None
-    tls: ServerTLS | None = None
-    token: bool = False  # whether calls must carry a token
 
     @property
     def metrics_port(self) -> int | None:
@@ -365,9 +363,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
             if metrics is not None:
                 metrics.close()
             raise
-    return LoaderServer(
-        server, port, service, health_servicer, metrics, tls=tls, token=token is not None
-    )
+    return LoaderServer(server, port, service, health_servicer, metrics)
 
 
 def resolve_data_address(data_address: str, address: str, tls: bool) -> str | None:
@@ -388,7 +384,7 @@ def resolve_data_address(data_address: str, address: str, tls: bool) -> str | No
     return data_address
 
 
-def _tls_mode(tls: ServerTLS | None) -> str:
-    if tls is None:
+def _tls_mode(settings: ServerSettings) -> str:
+    if settings.tls_cert is None:
         return "plaintext"
-    return "mutual TLS" if tls.client_ca is not None else "TLS"
+    return "mutual TLS" if settings.tls_client_ca is not None else "TLS"

@@ -36,6 +36,18 @@ SLOW = LoaderSpec(
 )
 
 
+def _last_frame(address: str, request: pb.StreamRequest, timeout: float = 30) -> pb.Frame:
+    """The last Frame of a Stream call that succeeds (its end frame)."""
+    with grpc.insecure_channel(address) as channel:
+        frames = channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
+        )(request, timeout=timeout)
+        last: pb.Frame = list(frames)[-1]
+        return last
+
+
 def _stream_error(address: str, request: pb.StreamRequest) -> tuple[grpc.Call, float]:
     """The error status of a Stream call and how long it took to arrive."""
     with grpc.insecure_channel(address) as channel:
@@ -216,13 +228,7 @@ def test_out_of_range_positions_are_refused_before_any_read(
     for field, value in request_fields.items():
         setattr(request, field, value)
     if message is None:
-        with grpc.insecure_channel(served.address) as channel:
-            frames = channel.unary_stream(
-                wire.STREAM_METHOD,
-                request_serializer=pb.StreamRequest.SerializeToString,
-                response_deserializer=pb.Frame.FromString,
-            )(request, timeout=30)
-            assert list(frames)[-1].HasField("end")
+        assert _last_frame(served.address, request).HasField("end")
         return
     error, _ = _stream_error(served.address, request)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
@@ -252,13 +258,7 @@ def test_a_samplers_own_seed_plus_the_epoch_stays_in_range(
         expected = rf"epoch must be between 0 and {I64} .*, got {epoch}$"
         assert re.search(expected, error.details() or ""), error.details()
         return
-    with grpc.insecure_channel(served.address) as channel:
-        frames = channel.unary_stream(
-            wire.STREAM_METHOD,
-            request_serializer=pb.StreamRequest.SerializeToString,
-            response_deserializer=pb.Frame.FromString,
-        )(request, timeout=30)
-        assert list(frames)[-1].end.batches == 8
+    assert _last_frame(served.address, request).end.batches == 8
 
 
 def test_the_largest_job_costs_what_its_joined_ranks_cost(serve_loaders: ServeLoaders) -> None:
@@ -268,13 +268,7 @@ def test_the_largest_job_costs_what_its_joined_ranks_cost(serve_loaders: ServeLo
     consumer = pb.Consumer(sharing="partition", rank=3, world_size=MAX_WORLD_SIZE)
     tracemalloc.start()
     try:
-        with grpc.insecure_channel(served.address) as channel:
-            frames = channel.unary_stream(
-                wire.STREAM_METHOD,
-                request_serializer=pb.StreamRequest.SerializeToString,
-                response_deserializer=pb.Frame.FromString,
-            )(pb.StreamRequest(loader="wide", consumer=consumer), timeout=120)
-            end = list(frames)[-1]
+        end = _last_frame(served.address, pb.StreamRequest(loader="wide", consumer=consumer), 120)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -88,7 +88,12 @@ def registry(engine: FakeEngine, epoch: list[list[int]], **options: Any) -> Runs
     def lease(job: str, give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
         return contextlib.nullcontext(engine)
 
-    return Runs(spec, plan, lease, iterable=False)
+    runs = Runs(spec, plan, lease, iterable=False)
+    _OPEN.append(runs)  # closed after the test, which also stops its reaper thread
+    return runs
+
+
+_OPEN: list[Runs] = []
 
 
 def read(consumer: Consumer, hold: float = 0.0) -> list[Any]:
@@ -256,13 +261,19 @@ def test_resumed_consumers_start_at_their_position() -> None:
 def _no_thread_left() -> Iterator[None]:
     before = set(threading.enumerate())
     yield
+    while _OPEN:
+        _OPEN.pop().close()
     deadline = time.monotonic() + CEILING
     while time.monotonic() < deadline:
-        left = [t for t in set(threading.enumerate()) - before if t.name.startswith("rl-run")]
+        left = [
+            t
+            for t in set(threading.enumerate()) - before
+            if t.name.startswith(("rl-run", "rl-reaper"))
+        ]
         if not left:
             return
         time.sleep(0.01)
-    pytest.fail(f"Run threads left running: {left}")
+    pytest.fail(f"Run or reaper threads left running: {left}")
 
 
 def test_a_broadcast_group_waits_group_timeout_for_its_ranks_not_detach_timeout() -> None:

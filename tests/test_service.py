@@ -170,6 +170,24 @@ def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
     assert pids and not any(process_alive(pid) for pid in pids)
 
 
+def slowest_unary_calls(channel: grpc.Channel, rounds: int = 5, pause: float = 0.0) -> float:
+    """The slowest of `rounds` Describe + health check pairs on `channel`, in seconds."""
+    describe = channel.unary_unary(
+        f"/{wire.SERVICE_NAME}/Describe",
+        request_serializer=pb.DescribeRequest.SerializeToString,
+        response_deserializer=pb.LoaderInfo.FromString,
+    )
+    health = health_pb2_grpc.HealthStub(channel)
+    slowest = 0.0
+    for _ in range(rounds):
+        asked = time.monotonic()
+        describe(pb.DescribeRequest(), timeout=BUSY_MACHINE)
+        health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
+        slowest = max(slowest, time.monotonic() - asked)
+        time.sleep(pause)
+    return slowest
+
+
 def test_cancelled_streams_do_not_stall_other_calls(serve_loaders: ServeLoaders) -> None:
     """A cancel's cleanup (the Run's join, a non-persistent pool joining workers busy in a 3 s
     `__getitem__`) happens off gRPC's thread: unary calls and health stay quick meanwhile."""
@@ -184,23 +202,13 @@ def test_cancelled_streams_do_not_stall_other_calls(serve_loaders: ServeLoaders)
     host = served.hosts["sleepy"]
     slowest = 0.0
     with grpc.insecure_channel(served.address) as channel:
-        describe = channel.unary_unary(
-            f"/{wire.SERVICE_NAME}/Describe",
-            request_serializer=pb.DescribeRequest.SerializeToString,
-            response_deserializer=pb.LoaderInfo.FromString,
-        )
-        health = health_pb2_grpc.HealthStub(channel)
         for _ in range(3):
             stream_channel, call = raw_stream(served.address, pb.StreamRequest())
             # Workers are in __getitem__ now: their pool joins them when the stream ends.
             assert wait_until(lambda: bool(host.runs.active()), BUSY_MACHINE)
             call.cancel()
             stream_channel.close()
-            for _ in range(5):
-                asked = time.monotonic()
-                describe(pb.DescribeRequest(), timeout=BUSY_MACHINE)
-                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
-                slowest = max(slowest, time.monotonic() - asked)
+            slowest = max(slowest, slowest_unary_calls(channel))
     # Unstalled, both answer in milliseconds; stalled, they waited for worker joins (seconds).
     assert slowest < 1.0, slowest
     assert wait_until(lambda: not host.runs.active(), BUSY_MACHINE)
@@ -260,20 +268,8 @@ def test_a_cancel_while_another_stream_plans_its_epoch_stalls_no_call(
     assert wait_until(lambda: made() == 3, BUSY_MACHINE)  # epoch 1 is being planned now
     first.cancel()
     first_channel.close()
-    slowest = 0.0
     with grpc.insecure_channel(served.address) as channel:
-        describe = channel.unary_unary(
-            f"/{wire.SERVICE_NAME}/Describe",
-            request_serializer=pb.DescribeRequest.SerializeToString,
-            response_deserializer=pb.LoaderInfo.FromString,
-        )
-        health = health_pb2_grpc.HealthStub(channel)
-        for _ in range(5):
-            asked = time.monotonic()
-            describe(pb.DescribeRequest(), timeout=BUSY_MACHINE)
-            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=BUSY_MACHINE)
-            slowest = max(slowest, time.monotonic() - asked)
-            time.sleep(0.1)
+        slowest = slowest_unary_calls(channel, pause=0.1)
     second.cancel()
     second_channel.close()
     # Stalled, the calls waited for the epoch's plan (seconds); unstalled, milliseconds.

@@ -40,20 +40,16 @@ class TcpSender:
 
     def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
         view = payload(entry, self.shared)
-        yield self.frame(batch, view, entry.delivery.header_nbytes)
-        self.send_bytes(view, stopped)
+        # The Frame announcing that batch `batch` follows on the data connection goes first:
+        # the client reads the socket only once it has it, so the order keeps both from waiting.
+        yield wire.handle_frame(batch, len(view), entry.delivery.header_nbytes, on_tcp=True)
+        self._write(view, stopped)
 
     def finish(self, stopped: Callable[[], bool]) -> None:
         pass
 
-    @staticmethod
-    def frame(batch: int, blob: memoryview, header_nbytes: int) -> bytes:
-        """The Frame announcing that batch `batch` follows on the data connection."""
-        return wire.handle_frame(batch, len(blob), header_nbytes, on_tcp=True)
-
-    def send_bytes(self, blob: memoryview, stopped: Callable[[], bool]) -> None:
-        """Writes the batch the last `frame()` announced (after that Frame went out: the client
-        reads the socket only once it has it, so the order is what keeps both from waiting).
+    def _write(self, blob: memoryview, stopped: Callable[[], bool]) -> None:
+        """Writes the batch its Frame announced.
 
         Raises StreamStopped when `stopped()` turned true first, DataConnectionLost when the
         client has gone, ClientSilent when it stopped reading and beating (NOTE [ TCP data
