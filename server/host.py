@@ -19,6 +19,7 @@ from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.policies import policy_for
 from remote_loader.server.pool import WorkerPool
 from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
@@ -157,10 +158,10 @@ class LoaderHost:
 
     def length(self, membership: Membership) -> int:
         """Batches `membership`'s consumer receives per epoch; TypeError when unknown."""
-        if membership.sharing == "dynamic":
-            raise TypeError("with dynamic sharing it depends on the other consumers")
-        world_size = membership.world_size if membership.sharing == "partition" else 1
-        return epoch_length(self._loader, self.spec, world_size)
+        policy = policy_for(membership.sharing)
+        if not policy.fixed_length:
+            raise TypeError(f"with {policy.name} sharing it depends on the other consumers")
+        return epoch_length(self._loader, self.spec, policy.plan_world_size(membership))
 
     def check(self, membership: Membership) -> None:
         """Raises SharingError when this loader refuses `membership`."""

@@ -2,7 +2,8 @@
 
 A lane is one sequence of tasks and the entries made from them: a QueueLane hands each entry to
 one consumer (partition: one lane per rank; dynamic: one lane for all), a BroadcastLane lets
-every consumer read every entry at its own cursor (see NOTE [ Sharing ] in server/sharing.py).
+every consumer read every entry at its own cursor. Lanes are data; who reads which, and when
+entries go, is the sharing policy's (server/policies.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import dataclasses
 from remote_loader.server.errors import (
     SharingError,
 )
+from remote_loader.server.policies import policy_for
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
 
 DEFAULT_JOB = "default"
@@ -45,9 +46,6 @@ class Membership:
                 f"rank {self.rank} is out of range for world_size {self.world_size}: "
                 f"it must be in [0, {self.world_size - 1}]"
             )
-        if self.sharing == "partition" and self.world_size > 1 and is_iterable:
-            raise SharingError(
-                f"loader {spec.name!r} serves an IterableDataset, which the server cannot split "
-                "between ranks; use sharing='dynamic' (or 'broadcast'), or world_size=1 with a "
-                "dataset that shards itself"
-            )
+        refusal = policy_for(self.sharing).refusal(self, spec, is_iterable)
+        if refusal is not None:
+            raise SharingError(refusal)

@@ -27,14 +27,48 @@ from remote_loader.server.errors import (
     DetachedError,
     LoaderBrokenError,
 )
-from remote_loader.server.lanes import MIN_LANE_WINDOW, BroadcastLane, Entry, Lane, QueueLane
+from remote_loader.server.lanes import MIN_LANE_WINDOW, Entry, Lane
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.policies import Policy, policy_for
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError
 
 log = logging.getLogger(__name__)
+
+# NOTE [ Run states ]
+#
+# A Run moves one way through these states; `cond` guards every field named here.
+#
+#   waiting   its thread waits in `lease` for an engine (a persistent pool busy with the job's
+#             previous epoch). Consumers attach and wait in next().
+#   producing the thread holds the engine: each step submits what the lanes want (they take
+#             turns) and waits, without `cond`, for one outcome, which it puts back in order.
+#   made      every task is back (`policy.complete()`): the thread has given the engine back and
+#             ended; entries wait for their consumers.
+#   failed    the engine broke: `fatal` (the workers cannot start: every next() raises) or one
+#             error entry at each open lane's next position. The thread ends as in `made`.
+#   closing   the last consumer detached, or the server is shutting down
+#             (`closed_by_server`). No consumer attaches, nothing more is submitted, the thread
+#             leaves at its next step and gives the engine back (end_epoch).
+#   closed    `wait_closed()` joined the thread; every entry left is dropped.
+#
+# Invariants:
+# - Only the Run's thread calls the engine, and never while holding `cond` in `poll` (a
+#   consumer must be able to take an entry while the engine waits).
+# - `closing` never goes back to False; after it, `try_attach` returns None.
+# - Every task submitted is in `_tasks` until its outcome comes back, and its lane's
+#   `outstanding` counts it: sum(lane.outstanding) == len(_tasks). `_fail` clears both
+#   together.
+# - Every Delivery is released exactly once: when a consumer is done with it (queue lanes), when
+#   every consumer has passed it (broadcast `retire_before`), when it is made for nobody (an
+#   abandoned lane, a position before an IterableDataset's resume point) or when the Run closes
+#   (`drop_all`). A worker's shared-memory slot is never held by a Run nobody reads.
+# - A lane holds at most `window` batches in flight, made and not yet sent (`Lane.wants_task`),
+#   so memory per Run is bounded by the windows of its lanes.
+# - A consumer receives positions in order and each once: its lane's positions from its start
+#   (partition, broadcast), or whatever is left of the shared lane (dynamic).
 
 
 class LeaseAbandoned(Exception):
@@ -48,11 +82,15 @@ class Consumer:
         self.run = run
         self.membership = membership
         self.lane = lane
-        self.cursor = start  # broadcast: the lane position this consumer reads next
         self.moved_at = time.monotonic()
         self.closed = False
         self.detached: str | None = None  # why the Run let go of this consumer
-        self._holding: list[Entry] = []
+        # The policy's per-consumer state (server/policies.py): broadcast, the lane position
+        # this consumer reads next; partition and dynamic, the entries it took and has not
+        # sent yet; dynamic, since when it has waited with only peers' batches left.
+        self.cursor = start
+        self.holding: list[Entry] = []
+        self.waiting_since: float | None = None
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
         # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
@@ -62,8 +100,8 @@ class Consumer:
         """The next entry to send, or None at the end of this consumer's epoch (or once
         `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
         run = self.run
-        peers_since: float | None = None  # dynamic: since when only peers' batches were left
         asked = time.monotonic()
+        self.waiting_since = None
         with run.cond:
             while True:
                 if run.fatal is not None:
@@ -76,36 +114,14 @@ class Consumer:
                     raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
                 if self.closed or cancelled.is_set():
                     return None
-                lane = self.lane
-                if isinstance(lane, BroadcastLane):
-                    if self.cursor < lane.produced:
-                        return self._took(lane.entry(self.cursor), asked)
-                    if lane.complete:
-                        return None
-                else:
-                    assert isinstance(lane, QueueLane)
-                    if lane.pending:
-                        entry = lane.pending.popleft()
-                        lane.taken += 1
-                        self._holding.append(entry)
-                        return self._took(entry, asked)
-                    # dynamic: not while another consumer still holds batches, which come back
-                    # here if it goes away before it has sent them; a peer that holds one
-                    # longer than handback_timeout does not keep this stream open.
-                    if lane.complete:
-                        now = time.monotonic()
-                        if peers_since is None:
-                            peers_since = now
-                        if lane.taken == 0 or now - peers_since >= _seconds(
-                            run.spec.handback_timeout
-                        ):
-                            return None
+                entry = run.policy.take(self)
+                if entry is not None:
+                    self._taken_at = time.monotonic()
+                    self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
+                    return entry
+                if run.policy.finished(self):
+                    return None
                 run.cond.wait(POLL_INTERVAL)
-
-    def _took(self, entry: Entry, asked: float) -> Entry:
-        self._taken_at = time.monotonic()
-        self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
-        return entry
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
@@ -113,14 +129,7 @@ class Consumer:
         self.metrics.sending(time.monotonic() - self._taken_at)
         with run.cond:
             self.moved_at = time.monotonic()
-            if isinstance(self.lane, BroadcastLane):
-                if entry.position == self.cursor:
-                    self.cursor += 1
-            elif entry in self._holding:
-                self._holding.remove(entry)
-                assert isinstance(self.lane, QueueLane)
-                self.lane.taken -= 1
-                entry.release()
+            run.policy.done(self, entry)
             run.cond.notify_all()
 
     def sent(self, entry: Entry) -> None:
@@ -150,7 +159,8 @@ class RunKey:
 
 
 class Run:
-    """One epoch of one loader, produced once for the consumers that share it."""
+    """One epoch of one loader, produced once for the consumers that share it (NOTE [ Run
+    states ])."""
 
     def __init__(
         self,
@@ -168,34 +178,20 @@ class Run:
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
         self._lease = lease
-        self._iterable = iterable
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
-        self.ranks_joined: set[int] = set()
         self.closing = False
         self.closed_by_server = False
         self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
-        self.started_at = time.monotonic()
         self._task_ids = itertools.count()
         # task id -> (lane, lane-local id, when it was submitted)
         self._tasks: dict[int, tuple[Lane, int, float]] = {}
         self._turn = 0  # the lane whose turn it is to submit next
-        # A queue lane's window; set again once the engine (and its max_outstanding) is known.
-        self._window = MIN_LANE_WINDOW
-        in_order = spec.in_order
-        # A partition lane is made when its rank claims it (a job of 2**20 ranks costs what its
-        # joined ranks cost); the other modes' lane begins now, at the first consumer's start
-        # (dynamic consumers never skip: their positions are their own).
-        self.lanes: list[Lane] = []
-        if key.sharing == "broadcast":
-            self.lanes.append(BroadcastLane(in_order, spec.broadcast_window))
-            self.lanes[0].begin(plan.lane(0), start, iterable)
-        elif key.sharing == "dynamic":
-            self.lanes.append(QueueLane(in_order, self._window))
-            self.lanes[0].begin(plan.lane(0), 0, iterable)
-        # broadcast with a known group: nothing is retired until all of it has joined (or
-        # group_timeout has passed), so consumers that start a little apart still share.
-        self._holding_for_group = key.sharing == "broadcast" and key.world_size > 1
+        # The lanes and who reads what; a queue lane's window is set again once the engine
+        # (and its max_outstanding) is known.
+        self.policy: Policy = policy_for(key.sharing)(
+            key, spec, plan.lane, iterable=iterable, start=start, window=MIN_LANE_WINDOW
+        )
         self._thread = threading.Thread(
             target=self._produce,
             name=f"rl-run-{spec.name}-{key.epoch}-{key.sharing}",
@@ -217,32 +213,11 @@ class Run:
         with self.cond:
             if self.closing:
                 return None
-            mode = self.key.sharing
-            lane: Lane
-            if mode == "partition":
-                if membership.rank in self.ranks_joined:
-                    return None  # that rank's share is already taken: a new Run makes it again
-                lane = QueueLane(self.spec.in_order, self._window)
-                lane.rank = membership.rank
-                lane.begin(self.plan.lane(membership.rank), start, self._iterable)
-                self.lanes.append(lane)
-            elif mode == "broadcast":
-                lane = self.lanes[0]
-                assert isinstance(lane, BroadcastLane)
-                if start < lane.base:
-                    return None  # its next batch is gone; this consumer gets a Run of its own
-                if self.key.world_size > 1 and any(
-                    c.membership.rank == membership.rank for c in self.consumers
-                ):
-                    return None  # that rank is here already
-            else:
-                lane = self.lanes[0]
-                assert isinstance(lane, QueueLane)
-                if lane.drained:
-                    return None
+            lane = self.policy.join(membership, start, self.consumers)
+            if lane is None:
+                return None
             consumer = Consumer(self, membership, lane, start)
             self.consumers.append(consumer)
-            self.ranks_joined.add(membership.rank)
             self.cond.notify_all()
             return consumer
 
@@ -254,31 +229,11 @@ class Run:
             consumer.closed = True
             if consumer in self.consumers:
                 self.consumers.remove(consumer)
-            self._let_go(consumer)
+            self.policy.let_go(consumer)
             if not self.consumers:
                 self.closing = True
             self.cond.notify_all()
             return self.closing
-
-    def _let_go(self, consumer: Consumer) -> None:
-        lane = consumer.lane
-        if isinstance(lane, QueueLane):
-            held, consumer._holding = consumer._holding, []
-            if self.key.sharing == "dynamic":
-                # Batches it took but did not finish sending go to the next consumer that asks,
-                # first, so none is lost and the order stays as close as it can.
-                for entry in reversed(held):
-                    lane.pending.appendleft(entry)
-                lane.taken -= len(held)
-            elif not lane.complete or lane.pending or held:
-                # A rank left before the end of its share: make nothing more for it and hand
-                # every slot back, including one its stream may still be copying from when this
-                # runs on gRPC's cancellation callback: that client is gone, nobody reads it.
-                lane.abandoned = True
-                lane.drop_all()
-                for entry in held:
-                    entry.release()
-                lane.taken -= len(held)
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Waits until the Run's thread has given its engine back, then drops what is left;
@@ -287,7 +242,7 @@ class Run:
             self._thread.join(timeout)
         with self.cond:
             if self.closing:
-                for lane in self.lanes:
+                for lane in self.policy.lanes:
                     lane.drop_all()
         return not self._thread.is_alive()
 
@@ -303,10 +258,7 @@ class Run:
             # closes, so the last consumer's detach (on gRPC's callback thread) is not held.
             with self._lease(lambda: self.closing) as engine:
                 with self.cond:
-                    self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
-                    for lane in self.lanes:
-                        if not isinstance(lane, BroadcastLane):
-                            lane.window = self._window
+                    self.policy.set_window(max(MIN_LANE_WINDOW, engine.max_outstanding))
                 engine.begin_epoch(self.plan.base_seed)
                 try:
                     while self._step(engine):
@@ -332,7 +284,7 @@ class Run:
         finally:
             with self.cond:
                 if self.closing:
-                    for lane in self.lanes:
+                    for lane in self.policy.lanes:
                         lane.drop_all()
                 self.cond.notify_all()
 
@@ -341,12 +293,9 @@ class Run:
         with self.cond:
             if self.closing:
                 return False
-            self._check_group()
             self._submit(engine)
             if engine.outstanding == 0:
-                if all(lane.complete for lane in self.lanes) and (
-                    self.key.sharing != "partition" or len(self.lanes) == self.key.world_size
-                ):
+                if self.policy.complete():
                     self.cond.notify_all()
                     return False  # everything is made; the entries stay until sent
                 self.cond.wait(POLL_INTERVAL)
@@ -371,12 +320,12 @@ class Run:
 
     def _submit(self, engine: Engine) -> None:
         """Submits tasks while the engine has room, the lanes taking turns (fairness)."""
-        n = len(self.lanes)
+        lanes = self.policy.lanes
+        n = len(lanes)
         while engine.outstanding < engine.max_outstanding:
             for i in range(n):
-                lane = self.lanes[(self._turn + i) % n]
-                if isinstance(lane, BroadcastLane) and lane.backlog() >= lane.window:
-                    self._retire(lane)
+                lane = lanes[(self._turn + i) % n]
+                self.policy.make_room(lane, self.consumers)
                 if lane.wants_task():
                     self._turn = (self._turn + i + 1) % n
                     break
@@ -391,7 +340,7 @@ class Run:
             task_id = next(self._task_ids)
             seed = None
             if self.spec.seeding == "per_batch":
-                seed = batch_seed(self.key.seed, self.key.epoch, self._batch_index(lane))
+                seed = batch_seed(self.key.seed, self.key.epoch, self.policy.batch_index(lane))
             if not engine.submit(task_id, indices, seed):
                 lane.tasks_done = True  # every worker's IterableDataset has run dry
                 continue
@@ -399,68 +348,13 @@ class Run:
             lane.issued += 1
             lane.outstanding += 1
 
-    def _batch_index(self, lane: Lane) -> int:
-        """The index in the epoch of the lane's next task: rank r of w's k-th batch is batch
-        k * w + r, so every batch of an epoch has its own index whatever the split."""
-        if self.key.sharing != "partition":
-            return lane.issued
-        return lane.issued * self.key.world_size + lane.rank
-
-    def _retire(self, lane: BroadcastLane) -> None:
-        """Retires the batches every consumer has sent, and detaches a consumer that has held
-        the others for detach_timeout."""
-        if self._holding_for_group or not self.consumers:
-            return
-        slowest = min(c.cursor for c in self.consumers)
-        lane.retire_before(slowest)
-        if lane.backlog() < lane.window:
-            return
-        fastest = max(c.cursor for c in self.consumers)
-        if fastest == slowest or not lane.entries:
-            return  # nobody is being held back
-        now = time.monotonic()
-        # A consumer is stalled from when the batch it needs was there to send (or from its
-        # last batch, if later): time spent waiting for production is not its fault.
-        available_at = lane.entries[0].made_at
-        for c in list(self.consumers):
-            stalled = now - max(c.moved_at, available_at)
-            if c.cursor == slowest and stalled >= self.spec.detach_timeout:
-                log.warning(
-                    "%r: detaching consumer rank %d: it sent nothing for %.1f s while "
-                    "others waited (detach_timeout)",
-                    self,
-                    c.membership.rank,
-                    stalled,
-                )
-                c.detached = (
-                    f"detached from the broadcast of loader {self.spec.name!r}: it sent no "
-                    f"batch for {self.spec.detach_timeout:g} s (detach_timeout) while the "
-                    f"other consumers waited; it was {fastest - slowest} batches behind"
-                )
-                self.consumers.remove(c)
-        if self.consumers:
-            lane.retire_before(min(c.cursor for c in self.consumers))
-
-    def _check_group(self) -> None:
-        if self._holding_for_group and (
-            len(self.ranks_joined) >= self.key.world_size
-            or time.monotonic() - self.started_at >= _seconds(self.spec.group_timeout)
-        ):
-            self._holding_for_group = False
-
     def _fail(self, error: RemoteError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
         with self.cond:
-            for lane in self.lanes:
+            for lane in self.policy.lanes:
                 lane.tasks_done = True
                 lane.outstanding = 0
                 if lane.tasks is not None and not lane.abandoned and not self.closing:
                     lane.add(Delivery(error=error))
             self._tasks.clear()
             self.cond.notify_all()
-
-
-def _seconds(timeout: float | None) -> float:
-    """A sharing wait of the spec: set by LoaderSpec (None only before __post_init__)."""
-    assert timeout is not None
-    return timeout

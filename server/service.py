@@ -31,6 +31,7 @@ from remote_loader.server.errors import (
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.lanes import Entry
 from remote_loader.server.membership import DEFAULT_JOB, Membership
+from remote_loader.server.policies import policy_for
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
@@ -215,7 +216,7 @@ class LoaderService:
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
         )
-        shared = membership.sharing == "broadcast"
+        shared = policy_for(membership.sharing).shares_entries
         negotiated = negotiate(
             request,
             chunk_size=self.chunk_size,

@@ -1,16 +1,16 @@
 """The sharing stage: one production of an epoch, handed out to the consumers that share it.
 
 A consumer is one stream: a trainer's `RemoteLoader` iterating an epoch. Consumers that name the
-same job, epoch, seed, sharing mode and world size share a Run: one thread that feeds the
-loader's worker pool and puts the results in order, once for all of them.
+same job, epoch, seed, sharing mode and world size share a Run (server/run.py): one thread that
+feeds the loader's engine and puts the results in order, once for all of them. How they divide
+its batches is the Run's sharing policy (server/policies.py):
 
-- partition: rank r of w gets its own lane, the tasks of its share (server/sampling.py). The
-  lanes take turns at the pool, so a fast rank cannot starve a slow one, and each lane buffers
-  at most a window of batches, so a slow rank cannot stall a fast one either.
-- broadcast: one lane; every consumer reads every batch, each at its own cursor. A batch is
-  retired once every consumer has sent it, and the lane holds at most `broadcast_window`
-  batches, so the fastest consumer is at most that far ahead of the slowest.
+- partition: rank r of w gets its own lane, the tasks of its share (server/sampling.py);
+- broadcast: one lane; every consumer reads every batch, each at its own cursor, at most
+  `broadcast_window` batches apart;
 - dynamic: one lane; each batch goes to whichever consumer asks first.
+
+This module is the registry: which Run a consumer joins, and letting consumers go.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from remote_loader.server.engine import Engine
-from remote_loader.server.lanes import QueueLane
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer, Run, RunKey
 from remote_loader.server.sampling import EpochPlan
 from remote_loader.server.spec import LoaderSpec
@@ -92,19 +92,20 @@ class Runs:
     def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
         """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
         started if new."""
-        world_size = membership.world_size if membership.sharing != "dynamic" else 1
-        key = RunKey(membership.sharing, membership.job, seed, epoch, world_size)
+        policy = policy_for(membership.sharing)
+        key = RunKey(
+            membership.sharing, membership.job, seed, epoch, policy.run_world_size(membership)
+        )
         with self._lock:
             for run in reversed(self._runs.get(key, [])):
                 consumer = run.try_attach(membership, start)
                 if consumer is not None:
                     break
             else:
-                plan_world = world_size if membership.sharing == "partition" else 1
                 run = Run(
                     key,
                     self.spec,
-                    self._plan(seed, epoch, plan_world),
+                    self._plan(seed, epoch, policy.plan_world_size(membership)),
                     lambda give_up: self._lease(membership.job, give_up),
                     iterable=self._iterable,
                     start=start,
@@ -159,15 +160,9 @@ class Runs:
         rows: list[ConsumerRow] = []
         for run in self.active():
             with run.cond:
-                fastest = max((c.cursor for c in run.consumers), default=0)
                 for c in run.consumers:
-                    lane = c.lane
-                    if isinstance(lane, QueueLane):
-                        behind = len(lane.pending) + lane.taken
-                    else:
-                        behind = fastest - c.cursor
                     m = c.membership
-                    rows.append((m.job, m.sharing, m.rank, behind))
+                    rows.append((m.job, m.sharing, m.rank, run.policy.lag(c, run.consumers)))
         return rows
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 # automatic batching, each sample is converted (default_convert) and sent as its own batch.
 BATCH_SIZE_NONE = "none"
 
-# The ways consumers can share a loader's epochs (server/sharing.py).
+# The ways consumers can share a loader's epochs: one policy each (server/policies.py).
 SHARING_MODES = ("partition", "broadcast", "dynamic")
 # How random/torch/numpy are seeded in workers: "worker" as torch does (once per worker and
 # epoch), "per_batch" before every batch from (seed, epoch, batch index).
