@@ -8,12 +8,13 @@ and stop producing as soon as the client goes away.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import NoReturn
 
 import grpc
@@ -32,6 +33,7 @@ from remote_loader.server.host import LoaderHost
 from remote_loader.server.lanes import Entry
 from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.policies import policy_for
+from remote_loader.server.run import Consumer
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
@@ -183,7 +185,9 @@ class LoaderService:
                 self._streams -= 1
                 self._streams_changed.notify_all()
 
-    def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _admit(self, request: pb.StreamRequest) -> tuple[LoaderHost, Membership, int]:
+        """The stream's loader, membership and seed; a ServerError for a request refused
+        before anything reads the dataset."""
         host = self._host(request.loader)
         membership = self._membership(host, request.consumer)
         if request.fingerprint and request.fingerprint != host.spec.fingerprint():
@@ -194,17 +198,19 @@ class LoaderService:
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
-        start = request.start
-        problem = check_positions(host, membership, request.epoch, start)
-        if problem is not None:  # before anything reads the dataset
+        problem = check_positions(host, membership, request.epoch, request.start)
+        if problem is not None:
             raise RequestInvalid(problem)
+        return host, membership, seed
+
+    def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        host, membership, seed = self._admit(request)
+        start = request.start
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
         context.add_callback(cancelled.set)
         started = time.monotonic()
-        batches = start  # the position of the next batch in this consumer's epoch
-        nbytes = 0
-        completed = False  # the end frame went out: callbacks after it are not a cancellation
+        progress = _Progress(batches=start)
         who = logfmt(
             stream=next(self._stream_ids),
             peer=context.peer(),
@@ -238,29 +244,11 @@ class LoaderService:
                     return
                 sender = connected
             consumer = host.attach(membership, seed, request.epoch, start)
-            # Detach at once when the client goes, even if this thread is stuck sending; only
-            # marking: the callback runs on gRPC's thread (NOTE [ Sharing ]).
+            # Detach at once when the client goes, even if this thread is stuck sending; the
+            # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-
-            def stopped() -> bool:
-                assert consumer is not None
-                return cancelled.is_set() or consumer.detached is not None
-
-            while (entry := consumer.next(cancelled)) is not None:
-                try:
-                    if entry.error is not None:
-                        yield _error_frame(batches, entry)
-                    else:
-                        yield from sender.send(batches, entry, stopped)
-                        nbytes += entry.nbytes
-                except StreamStopped:
-                    if cancelled.is_set():
-                        return  # the finally below closes the consumer; nothing more to send
-                    continue  # detached: next() says why
-                finally:
-                    consumer.done(entry)
-                consumer.sent(entry)  # metrics: batches, bytes or errors served
-                batches += 1
+            if not (yield from _send_epoch(consumer, sender, cancelled, progress)):
+                return  # cancelled mid-batch; the finally below closes the consumer
             # Detach before the end frame: the last consumer out gives the workers back first,
             # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
             consumer.close()
@@ -268,8 +256,8 @@ class LoaderService:
             with contextlib.suppress(StreamStopped):
                 sender.finish(cancelled.is_set)
             if not cancelled.is_set():
-                yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=batches)))
-                completed = True
+                yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=progress.batches)))
+                progress.completed = True
         except Exception as exc:
             if cancelled.is_set():
                 return  # nobody is left to tell; the log line says "cancelled"
@@ -285,19 +273,56 @@ class LoaderService:
             if consumer is not None:
                 consumer.close()
             sender.close()
-            outcome = _outcome(context, cancelled.is_set() and not completed, completed)
+            done = progress.completed
+            outcome = _outcome(context, cancelled.is_set() and not done, done)
             log.log(
                 logging.WARNING if "status" in outcome else logging.INFO,
                 "stream end %s %s",
                 who,
                 logfmt(
-                    batches=batches - start,
-                    bytes=nbytes,
+                    batches=progress.batches - start,
+                    bytes=progress.nbytes,
                     **{f"{sender.name}_batches": sender.batches},
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
             )
+
+
+@dataclasses.dataclass
+class _Progress:
+    """How far a stream has got."""
+
+    batches: int  # the position of the next batch in this consumer's epoch
+    nbytes: int = 0  # encoded bytes sent
+    completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
+
+
+def _send_epoch(
+    consumer: Consumer, sender: Sender, cancelled: threading.Event, progress: _Progress
+) -> Generator[bytes, None, bool]:
+    """Sends the consumer's entries in order, counting them in `progress`: True when its
+    epoch ended, False when the client went away mid-batch."""
+
+    def stopped() -> bool:
+        return cancelled.is_set() or consumer.detached is not None
+
+    while (entry := consumer.next(cancelled)) is not None:
+        try:
+            if entry.error is not None:
+                yield _error_frame(progress.batches, entry)
+            else:
+                yield from sender.send(progress.batches, entry, stopped)
+                progress.nbytes += entry.nbytes
+        except StreamStopped:
+            if cancelled.is_set():
+                return False
+            continue  # detached: next() says why
+        finally:
+            consumer.done(entry)
+        consumer.sent(entry)  # metrics: batches, bytes or errors served
+        progress.batches += 1
+    return True
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
