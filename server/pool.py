@@ -8,8 +8,8 @@ outcome as it completes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -17,37 +17,31 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import os
-import threading
 import time
 from typing import Any
 
-from remote_loader.server.engine import (
-    POLL_INTERVAL,
-    Delivery,
-    Outcome,
-    WorkerDiedError,
-    WorkerInitError,
-)
+from remote_loader.server.engine import POLL_INTERVAL, Delivery, Outcome, WorkerInitError
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
+from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.supervision import MAX_TASK_ATTEMPTS, PendingTask, TaskLedger
 from remote_loader.server.worker import (
     DEFAULT_MAX_BATCH_BYTES,
     EpochStart,
-    RemoteError,
     Result,
     Task,
     WorkerConfig,
     worker_loop,
 )
 
+# MAX_TASK_ATTEMPTS is supervision's (server/supervision.py), importable from here as before.
+__all__ = ["MAX_TASK_ATTEMPTS", "WORKER_JOIN_TIMEOUT", "WorkerPool"]
+
 log = logging.getLogger(__name__)
 
 # How long shutdown waits, in all, for the workers to exit on their own before terminating them.
 WORKER_JOIN_TIMEOUT = 5.0
-# How many times a batch is tried when its worker dies while making it (a sample that crashes
-# its worker every time is then delivered as an error at its position).
-MAX_TASK_ATTEMPTS = 3
 
 # NOTE [ Pool Protocol ]
 #
@@ -101,48 +95,29 @@ MAX_TASK_ATTEMPTS = 3
 # no worker behind for long; the fork server exits with it. Deliveries still held by consumers
 # stay readable: their memoryviews keep the mapped segments.
 #
-# NOTE [ Worker Failures ]
+# NOTE [ Replacing a Worker Process ]
 #
-# Detection: every poll checks each worker with is_alive() (waitpid) at least every
-# POLL_INTERVAL (0.1 s) while a Run waits for results, so a worker killed by SIGKILL, a segfault
-# or os._exit is seen within 0.1 s. `_replace` then:
+# How this pool applies NOTE [ Worker Failures ] (server/supervision.py) to processes. Every
+# poll checks each worker with is_alive() (waitpid), so a worker killed by SIGKILL, a segfault
+# or os._exit is seen within POLL_INTERVAL; a worker stuck past `timeout` is killed (SIGKILL).
+# `_replace` then:
 #   1. counts a restart, forgets the dead process's slots (entries being sent keep their views)
-#      and its releases, closes its index queue (tasks it never read are re-issued, not read);
+#      and its releases, closes its index queue (tasks it never read are re-issued, not read)
+#      and its result pipe (nothing more of it is read: a re-issued task's answer is the new
+#      process's);
 #   2. starts a new process for the same worker id (from the fork server: never a fork of the
 #      gRPC process, grpc/grpc#16001), with a new queue, an incarnation of its own (slot names
 #      never collide with the dead one's) and the current EpochStart (same base seed);
-#   3. re-issues the dead worker's pending tasks, in order, to the new process. The one it was
-#      making (a shared value the worker sets before each task: its Result may have died half
-#      written to its result pipe) is charged an attempt, and after MAX_TASK_ATTEMPTS (3) it is
-#      given up and delivered as an error at its position (a poison sample), the epoch going on.
-# A late result of the dead process for a re-issued task is dropped: the first answer counts.
-# Limits: an IterableDataset's position dies with its worker, so its epoch ends with an error;
-# workers dying more than 2 * num_workers + 2 times in a row without a batch finished mean the
-# loader cannot work (WorkerDiedError: the Run fails, the pool is replaced).
-# Timeout: a worker that has been on one task for `timeout` seconds (counted from when it was
-# free for it) is killed and replaced (as above), and that task is delivered as a TimeoutError
-# at its position: an error within timeout + 0.1 s plus the restart, never a hang.
-# Fatal: a worker whose dataset factory or worker_init_fn raised answers every task with a fatal
-# Result; the Run ends all its streams with FAILED_PRECONDITION and the original traceback.
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A task submitted and not yet back: where it is, and how often its worker died on it."""
-
-    task_id: int
-    indices: Any
-    seed: int | None
-    worker_id: int
-    submitted_at: float
-    attempts: int = 1
+#   3. hands the ledger the task the process was making (a shared value the worker sets before
+#      each task: its Result may have died half written to its result pipe) and sends what the
+#      ledger re-issues, in order, to the new process.
 
 
 class WorkerPool:
     """`num_workers` worker processes for one loader spec; runs one epoch at a time.
 
-    See NOTE [ Pool Protocol ] and NOTE [ Worker Failures ]. Only the thread producing a Run
-    calls the epoch methods; `Delivery.release` may be called from any thread.
+    See NOTE [ Pool Protocol ] and NOTE [ Replacing a Worker Process ]. Only the thread
+    producing a Run calls the epoch methods; `Delivery.release` may be called from any thread.
     """
 
     def __init__(
@@ -176,32 +151,27 @@ class WorkerPool:
         self._next_incarnation = itertools.count()
         self._current_epoch: Any = None
         self._epoch_keys = itertools.count()
-        # (incarnation, slot) -> the slot's bytes, mapped from that worker process's tensor.
-        self._slots: dict[tuple[int, int], memoryview] = {}
-        # Slots the server is done with, per incarnation, handed back with its next Task.
-        self._released: dict[int, list[int]] = {}
-        self._lock = threading.Lock()  # guards _released: releases come from stream threads
+        # The worker processes' shared-memory slots, by (incarnation, slot) (server/slots.py).
+        self._slots = SlotTable()
         self._closed = False
         # Set by the Run when the pool failed: it must not run another epoch.
         self.broken = False
         # Worker processes replaced after they died (or were stopped for a timeout).
         self.restarts = 0
         # The current epoch (begin_epoch): its key and base seed, which workers still have data,
-        # and the tasks submitted and not yet polled back, in submission order per worker.
+        # and the tasks submitted and not yet polled back (server/supervision.py).
         self._key = -1
         self._base_seed = 0
         self._active: list[bool] = []
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
-        self._pending: dict[int, _Pending] = {}
-        self._deaths_without_progress = 0
-        # Per worker: when it last finished a task (or was started), so the task it is on now
-        # counts from then, not from when it was queued behind others.
-        self._free_since: list[float] = []
+        self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
+        # Tasks given up (timed out, or out of attempts) and not yet returned by poll().
+        self._failed: collections.deque[Outcome] = collections.deque()
 
     @property
     def outstanding(self) -> int:
         """Tasks submitted and not yet polled back."""
-        return len(self._pending)
+        return len(self._ledger)
 
     @property
     def pids(self) -> list[int]:
@@ -230,8 +200,7 @@ class WorkerPool:
         # wait on the feeder thread at exit.
         index_queue.cancel_join_thread()
         incarnation = next(self._next_incarnation)
-        with self._lock:
-            self._released[incarnation] = []
+        self._slots.open(incarnation)
         making = self._ctx.Value("q", -1, lock=False)
         results, results_writer = self._ctx.Pipe(duplex=False)
         cfg = WorkerConfig(
@@ -258,25 +227,6 @@ class WorkerPool:
         results_writer.close()
         return proc, index_queue, incarnation, making, results
 
-    def _release(self, incarnation: int, slot: int) -> None:
-        with self._lock:
-            released = self._released.get(incarnation)
-            if released is not None:  # else that process is gone, and its slots with it
-                released.append(slot)
-
-    def _take_released(self, worker_id: int) -> tuple[int, ...]:
-        with self._lock:
-            released = self._released[self._incarnations[worker_id]]
-            ids = tuple(released)
-            released.clear()
-        return ids
-
-    def _accept_buffers(self, result: Result) -> None:
-        for slot in result.dropped:
-            self._slots.pop((result.incarnation, slot), None)
-        if result.new_buffer is not None:
-            self._slots[(result.incarnation, result.slot)] = result.new_buffer.numpy().data
-
     # --- one epoch (called by the Run's thread only) -------------------------------------
 
     def begin_epoch(self, base_seed: int) -> None:
@@ -290,9 +240,8 @@ class WorkerPool:
             q.put(EpochStart(epoch_key=self._key, base_seed=base_seed))
         self._active = [True] * self.num_workers
         self._worker_cycle = itertools.cycle(range(self.num_workers))
-        self._pending.clear()
-        self._deaths_without_progress = 0
-        self._free_since = [time.monotonic()] * self.num_workers
+        self._ledger.begin_epoch()
+        self._failed.clear()
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         """Sends a task (with its per-batch seed, if any) to the next active worker; False when
@@ -300,9 +249,7 @@ class WorkerPool:
         worker_id = self._next_worker()
         if worker_id is None:
             return False
-        pending = _Pending(task_id, indices, seed, worker_id, time.monotonic())
-        self._pending[task_id] = pending
-        self._send(pending)
+        self._send(self._ledger.add(task_id, indices, seed, worker_id))
         return True
 
     def _next_worker(self) -> int | None:
@@ -312,10 +259,16 @@ class WorkerPool:
                 return worker_id
         return None
 
-    def _send(self, pending: _Pending) -> None:
+    def _send(self, pending: PendingTask) -> None:
         w = pending.worker_id
         self._index_queues[w].put(
-            Task(self._key, pending.task_id, pending.indices, self._take_released(w), pending.seed)
+            Task(
+                self._key,
+                pending.task_id,
+                pending.indices,
+                self._slots.take_released(self._incarnations[w]),
+                pending.seed,
+            )
         )
 
     def poll(self, timeout: float = POLL_INTERVAL) -> Outcome | None:
@@ -323,9 +276,11 @@ class WorkerPool:
 
         Each wait is followed by a liveness check, which replaces dead workers and re-issues
         their tasks, and, when the spec sets `timeout`, a check that some task completed within
-        it. See NOTE [ Worker Failures ].
+        it. See NOTE [ Worker Failures ] in server/supervision.py.
         """
-        if not self._pending:
+        if self._failed:
+            return self._failed.popleft()
+        if not self._ledger:
             return None
         deadline = time.monotonic() + timeout
         while True:
@@ -346,7 +301,7 @@ class WorkerPool:
                 result = self._receive(reader)
                 if result is None:
                     continue
-                self._accept_buffers(result)
+                self._slots.accept(result)
                 outcome = self._outcome(result)
                 if outcome is not None:
                     return outcome
@@ -368,19 +323,17 @@ class WorkerPool:
         return result
 
     def _outcome(self, result: Result) -> Outcome | None:
-        pending = self._pending.get(result.task_id)
+        pending = self._ledger.get(result.task_id)
         if result.epoch_key != self._key or pending is None:
             # A batch of an abandoned epoch, or a second answer for a task that was re-issued
             # after its worker died: the first answer counted, this slot is free again.
             if result.slot >= 0:
-                self._release(result.incarnation, result.slot)
+                self._slots.release(result.incarnation, result.slot)
             return None
         if result.fatal:
             assert result.error is not None
             raise WorkerInitError(result.error)
-        del self._pending[result.task_id]
-        now = self._free_since[result.worker_id] = time.monotonic()
-        self._deaths_without_progress = 0
+        now = self._ledger.complete(result.task_id, result.worker_id)
         stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
@@ -389,11 +342,11 @@ class WorkerPool:
         if result.error is not None:
             self._metrics.worker_timing(*stamps)
             return Outcome(result.task_id, Delivery(error=result.error))
-        slot = self._slots.get((result.incarnation, result.slot))
+        slot = self._slots.view(result.incarnation, result.slot)
         if slot is None:
             # From a process already replaced, reusing a slot forgotten with it: the task was
             # re-issued, and its new answer counts.
-            self._pending[result.task_id] = pending
+            self._ledger.restore(pending)
             return None
         self._metrics.worker_timing(*stamps)
         blob = slot[: result.total_nbytes]
@@ -402,7 +355,7 @@ class WorkerPool:
             Delivery(
                 blob=blob,
                 header_nbytes=result.header_nbytes,
-                release=functools.partial(self._release, result.incarnation, result.slot),
+                release=functools.partial(self._slots.release, result.incarnation, result.slot),
             ),
         )
 
@@ -411,34 +364,25 @@ class WorkerPool:
 
         Returns an error Outcome for a task that has used up its attempts or timed out.
         """
-        failed: Outcome | None = None
-        if self.spec.timeout > 0 and self._pending:
-            now = time.monotonic()
-            for current in self._current_tasks().values():
-                started = max(current.submitted_at, self._free_since[current.worker_id])
-                if now - started >= self.spec.timeout:
-                    failed = self._stop_stuck(current)
-                    break
+        if self.spec.timeout > 0:
+            stuck = self._ledger.overdue(self.spec.timeout, self._making_now)
+            if stuck is not None:
+                self._failed.append(self._stop_stuck(stuck))
         for worker_id, proc in enumerate(self._workers):
             if proc.is_alive():
                 continue
             outcome = self._replace(worker_id, proc)
-            failed = failed or outcome
-        return failed
+            if outcome is not None:
+                self._failed.append(outcome)
+        # Several can fail in one check (a timeout and a death, two deaths): each is left the
+        # ledger, so each must reach the Run, one per poll.
+        return self._failed.popleft() if self._failed else None
 
-    def _current_tasks(self) -> dict[int, _Pending]:
-        """Per busy worker, the task it is making now (as it says, else its oldest pending)."""
-        current: dict[int, _Pending] = {}
-        for p in self._pending.values():
-            if p.worker_id not in current or p.submitted_at < current[p.worker_id].submitted_at:
-                current[p.worker_id] = p
-        for worker_id in list(current):
-            making = self._pending.get(self._making[worker_id].value)
-            if making is not None and making.worker_id == worker_id:
-                current[worker_id] = making
-        return current
+    def _making_now(self, worker_id: int) -> int:
+        """The task worker `worker_id` says it is making (-1: none)."""
+        return int(self._making[worker_id].value)
 
-    def _stop_stuck(self, stuck: _Pending) -> Outcome:
+    def _stop_stuck(self, stuck: PendingTask) -> Outcome:
         proc = self._workers[stuck.worker_id]
         log.warning(
             "loader %r: no batch within timeout=%g s; stopping worker %d (pid %s), which has "
@@ -449,28 +393,19 @@ class WorkerPool:
             proc.pid,
             stuck.task_id,
         )
-        del self._pending[stuck.task_id]
+        who = f"worker {stuck.worker_id} (pid {proc.pid})"
+        failed = self._ledger.timed_out(stuck, self.spec.timeout, who)
         proc.kill()
         proc.join(timeout=WORKER_JOIN_TIMEOUT)
-        error = TimeoutError(
-            f"DataLoader timed out after {self.spec.timeout} seconds: worker "
-            f"{stuck.worker_id} (pid {proc.pid}) was stopped and replaced"
-        )
-        where = f"in DataLoader worker process {stuck.worker_id}"
-        return Outcome(stuck.task_id, Delivery(error=RemoteError.capture(where, error)))
+        return failed
 
     def _replace(self, worker_id: int, dead: multiprocessing.process.BaseProcess) -> Outcome | None:
-        """See NOTE [ Worker Failures ]."""
+        """See NOTE [ Replacing a Worker Process ]."""
         self.restarts += 1
         self._metrics.restarts.inc()
-        self._deaths_without_progress += 1
-        mine = sorted(
-            (p for p in self._pending.values() if p.worker_id == worker_id),
-            key=lambda p: p.submitted_at,
-        )
-        # The task it was making when it died, as it wrote down before starting it (none if it
-        # died between tasks: then nothing is charged).
-        dying_on = self._making[worker_id].value
+        # The task it was making when it died, as it wrote down before starting it (read before
+        # its replacement gets a value of its own).
+        dying_on = self._making_now(worker_id)
         reason = f"DataLoader worker {worker_id} (pid {dead.pid}) exited unexpectedly with " + (
             f"exit code {dead.exitcode}"
             if dead.exitcode is None or dead.exitcode >= 0
@@ -480,16 +415,10 @@ class WorkerPool:
             "loader %r: %s; restarting it and re-issuing its %d task(s)",
             self.spec.name,
             reason,
-            len(mine),
+            len(self._ledger.held_by(worker_id)),
         )
-        dead_incarnation = self._incarnations[worker_id]
-        with self._lock:
-            self._released.pop(dead_incarnation, None)
-        # Entries still being sent keep their own views of the dead process's slots.
-        for key in [k for k in self._slots if k[0] == dead_incarnation]:
-            del self._slots[key]
-        old_queue = self._index_queues[worker_id]
-        old_queue.close()
+        self._slots.forget(self._incarnations[worker_id])
+        self._index_queues[worker_id].close()
         old_results = self._results[worker_id]
         if old_results is not None:
             old_results.close()
@@ -501,38 +430,17 @@ class WorkerPool:
         self._results[worker_id] = results
         if self._key >= 0 and self._current_epoch.value == self._key:
             index_queue.put(EpochStart(epoch_key=self._key, base_seed=self._base_seed))
-        if self.batching.is_iterable and mine:
-            # An IterableDataset's position lives in the process that died: re-issuing its
-            # tasks to a fresh iterator would repeat samples. The epoch ends with an error.
-            raise WorkerDiedError(f"{reason}; an IterableDataset cannot resume its position")
-        if self._deaths_without_progress > 2 * self.num_workers + 2:
-            raise WorkerDiedError(
-                f"{reason}; workers died {self._deaths_without_progress} times in a row "
-                "without finishing a batch"
-            )
-        failed: Outcome | None = None
-        for pending in mine:
-            if pending.task_id == dying_on:  # it may be what killed the process
-                pending.attempts += 1
-            if pending.attempts > MAX_TASK_ATTEMPTS:
-                del self._pending[pending.task_id]
-                error = WorkerDiedError(
-                    f"{reason} while making this batch, {MAX_TASK_ATTEMPTS} times: it is "
-                    "given up (a sample that crashes its worker?)"
-                )
-                where = f"in DataLoader worker process {worker_id}"
-                failed = Outcome(pending.task_id, Delivery(error=RemoteError.capture(where, error)))
-                continue
-            pending.submitted_at = time.monotonic()
+        reissue = self._ledger.worker_died(worker_id, dying_on, reason)
+        for pending in reissue.tasks:
             self._send(pending)
-        self._free_since[worker_id] = time.monotonic()
-        return failed
+        return reissue.given_up
 
     def end_epoch(self) -> None:
         """Abandons what is still queued: workers skip it, and a result still in flight is
         recognised as stale by the next epoch's poll."""
         self._current_epoch.value = -1
-        self._pending.clear()
+        self._ledger.end_epoch()
+        self._failed.clear()
 
     def shutdown(self) -> None:
         """Stops the workers. See NOTE [ Pool Shutdown ]."""

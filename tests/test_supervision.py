@@ -1,6 +1,6 @@
 """Failures: dead and stuck workers, poison samples, vanished clients, a killed or stopped server.
 
-Every test here is bounded well under 30 s; see NOTE [ Worker Failures ] in server/pool.py.
+Every test here is bounded well under 30 s; see NOTE [ Worker Failures ] in server/supervision.py.
 """
 
 from __future__ import annotations
