@@ -1,5 +1,6 @@
 """The remote-loader client: `RemoteLoader`, a drop-in for torch's DataLoader, and its errors."""
 
+from remote_loader.client.epoch import LoaderStats
 from remote_loader.client.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -11,7 +12,7 @@ from remote_loader.client.errors import (
     RequestError,
     ServerError,
 )
-from remote_loader.client.loader import LoaderStats, RemoteLoader
+from remote_loader.client.loader import RemoteLoader
 from remote_loader.client.security import TLS
 
 __all__ = [

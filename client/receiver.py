@@ -1,13 +1,12 @@
 """The receiver stage: a thread that turns one epoch's Frames into ready batches.
 
-It copies each batch once, from the gRPC messages (or, on the same host, from the stream's
-shared-memory ring: NOTE [ Shared-memory transport ] in remote_loader.protos.shm; or from the
-stream's data connection: NOTE [ TCP data connection ] in remote_loader.protos.tcp) into (pinned)
-host memory, starts the copy to the device on a side CUDA stream, and queues the batch for
-`RemoteLoader.__next__`. When the
-stream breaks (connection reset, server restart, UNAVAILABLE) it opens a new one from the next
-batch it has not received, with bounded retries and backoff: batches are neither lost nor
-repeated, and the training loop sees an error only when the retries run out.
+It reads a stream's Frames in order and has each batch copied once into (pinned) host memory by
+the transport's end that carries it (client/transports/: the gRPC messages themselves, the
+stream's shared-memory ring, or its data connection), starts the copy to the device on a side
+CUDA stream, and queues the batch for `RemoteLoader.__next__`. When the stream breaks
+(connection reset, server restart, UNAVAILABLE) it opens a new one from the next batch it has
+not received, with bounded retries and backoff: batches are neither lost nor repeated, and the
+training loop sees an error only when the retries run out.
 """
 
 from __future__ import annotations
@@ -15,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 
+from remote_loader.client.assembly import Assembly
 from remote_loader.client.errors import (
     ConnectionLostError,
     DatasetError,
@@ -31,8 +29,8 @@ from remote_loader.client.errors import (
     RemoteLoaderError,
     map_rpc_error,
 )
-from remote_loader.protos import codec, shm, tcp, wire
-from remote_loader.protos import loader_pb2 as pb
+from remote_loader.client.transports import StreamEnds, Transports, TransportUnusable
+from remote_loader.protos import codec, wire
 
 log = logging.getLogger(__name__)
 
@@ -77,75 +75,6 @@ class Finished:
 Item = Ready | Failed | Finished
 
 
-class _Assembly:
-    """One batch being put together from its Frames."""
-
-    def __init__(self, meta: Any, pin: bool) -> None:
-        self.batch = meta.batch
-        self.parts = meta.parts
-        self.next_part = 0
-        self.total = meta.total_bytes
-        self.header_nbytes = meta.header_bytes
-        self.payload_start = codec.payload_offset(self.header_nbytes)
-        if (
-            meta.parts < 1
-            or self.header_nbytes > self.total
-            or self.payload_start > max(self.total, self.header_nbytes)
-        ):
-            raise ProtocolError(f"batch {meta.batch}: inconsistent frame sizes")
-        self.header = bytearray(self.header_nbytes)
-        self.payload = torch.empty(
-            self.total - self.payload_start, dtype=torch.uint8, pin_memory=pin
-        )
-        self._payload_np = self.payload.numpy()
-        self.received = 0
-
-    def add(self, meta: Any, data: memoryview) -> bool:
-        """Copies one frame's data into place; True when the batch is complete."""
-        if meta.batch != self.batch or meta.part != self.next_part:
-            raise ProtocolError(
-                f"expected part {self.next_part} of batch {self.batch}, "
-                f"got part {meta.part} of batch {meta.batch}"
-            )
-        start, end = self.received, self.received + len(data)
-        if end > self.total:
-            raise ProtocolError(f"batch {self.batch}: more data than its {self.total} bytes")
-        if start < self.header_nbytes:
-            n = min(end, self.header_nbytes) - start
-            self.header[start : start + n] = data[:n]
-        lo = max(start, self.payload_start)
-        if end > lo:
-            self._payload_np[lo - self.payload_start : end - self.payload_start] = np.frombuffer(
-                data[lo - start :], dtype=np.uint8
-            )
-        self.received = end
-        self.next_part += 1
-        return self._complete()
-
-    def receive(self, read: Callable[[memoryview], bool]) -> bool:
-        """Reads the whole batch with `read(view)` (which fills `view` from the data
-        connection, False if stopped): header and padding, then the payload straight into
-        place. True when complete, False if stopped."""
-        if self.parts != 1 or self.next_part != 0:
-            raise ProtocolError(f"batch {self.batch}: a data-connection batch is one part")
-        head = bytearray(self.payload_start)
-        if not read(memoryview(head)) or not read(self._payload_np.data):
-            return False
-        self.header[:] = head[: self.header_nbytes]
-        self.received = self.total
-        self.next_part = 1
-        return self._complete()
-
-    def _complete(self) -> bool:
-        if self.next_part == self.parts:
-            if self.received != self.total:
-                raise ProtocolError(
-                    f"batch {self.batch}: {self.received} of {self.total} bytes arrived"
-                )
-            return True
-        return False
-
-
 class _Broken(Exception):
     """The stream broke in a way a new stream from the next batch can repair."""
 
@@ -154,21 +83,12 @@ class _Broken(Exception):
         self.error = error
 
 
-class _ShmFailed(Exception):
-    """The server offered a ring this process cannot use: continue without shared memory."""
-
-
-class _TcpFailed(Exception):
-    """The server offered a data connection this process cannot make: continue without."""
-
-
 class Receiver(threading.Thread):
     """Reads an epoch's Frames into `out_q`, a queue of `Item`s.
 
-    `open_stream(start, offer, tcp)` starts a Stream call from batch `start`, offering shared
-    memory when `offer` is not None (`use_shm`: try it) and a data connection when `tcp` is true
-    (`tcp_host`: the host to connect to, None: never); a stream that cannot use one goes on
-    without.
+    `open_stream(start, ends)` starts a Stream call from batch `start` whose request carries
+    the offer of `ends` (`StreamEnds.offer`), the new stream's ends from `transports`; a stream
+    that cannot use a transport it was offered goes on without it (TransportUnusable).
     Queue protocol: one Ready or Failed(final=False) per batch, in epoch order from `start`,
     then exactly one Finished or Failed(final=True), unless `stop()` was called. `out_q` is
     bounded by the caller (its maxsize is the prefetch depth); puts wait for room, checking
@@ -181,9 +101,10 @@ class Receiver(threading.Thread):
 
     def __init__(
         self,
-        open_stream: Callable[[int, pb.ShmOffer | None, bool], Any],
+        open_stream: Callable[[int, StreamEnds], Any],
         out_q: queue.Queue[Item],
         *,
+        transports: Transports,
         device: torch.device,
         pin: bool,
         what: str,
@@ -192,13 +113,11 @@ class Receiver(threading.Thread):
         backoff: float = DEFAULT_BACKOFF,
         wait_ready: Callable[[float], bool] = lambda timeout: True,
         connect_timeout: float = 10.0,
-        use_shm: bool = False,
-        tcp_host: str | None = None,
-        on_tcp_failed: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
         self._open_stream = open_stream
         self._out_q = out_q
+        self._transports = transports
         self._device = device
         self._pin = pin
         self._what = what
@@ -208,13 +127,7 @@ class Receiver(threading.Thread):
         self._wait_ready = wait_ready
         self._connect_timeout = connect_timeout
         self.reconnects = 0
-        self._use_shm = use_shm and shm.available()
-        self._tcp_host = tcp_host
-        self._on_tcp_failed = on_tcp_failed  # the owner stops asking in later epochs
-        # How the last batch arrived: "shm" (the shared-memory ring), "tcp" (the data
-        # connection) or "grpc" (data Frames).
-        self._ring: shm.RingReader | None = None
-        self._data: socket.socket | None = None  # the current stream's data connection
+        self._ends: StreamEnds | None = None  # the current stream's, while it is read
         self._lock = threading.Lock()  # guards _call against stop() from another thread
         self._stopped = threading.Event()
         self._call: Any = None
@@ -234,46 +147,34 @@ class Receiver(threading.Thread):
                 self._out_q.put(item, timeout=POLL_INTERVAL)
                 return True
             except queue.Full:
-                # The training loop is busy: tell the server, which may be waiting for room in
-                # the ring or on the data connection, that this client is alive all the same
-                # (NOTE [ Ring space ], NOTE [ TCP data connection ]).
-                if self._ring is not None:
-                    self._ring.beat()
-                if self._data is not None:
-                    tcp.beat(self._data)
+                # The training loop is busy: the server may be waiting on this client all the
+                # same (NOTE [ Ring space ], NOTE [ TCP data connection ]).
+                if self._ends is not None:
+                    self._ends.beat()
         return False
 
     def run(self) -> None:
         failures = 0  # breaks in a row, with no batch delivered between them
         while True:
-            probe = self._probe()
+            ends = self._transports.open(self._stopped.is_set)
             with self._lock:
                 if self._stopped.is_set():
-                    if probe is not None:
-                        probe.remove()
+                    ends.close()
                     return
-                offer = None if probe is None else pb.ShmOffer(probe=probe.name, nonce=probe.nonce)
-                self._call = self._open_stream(self._expected, offer, self._tcp_host is not None)
+                self._call = self._open_stream(self._expected, ends)
             before = self._expected
             try:
-                final = self._receive(iter(self._call), probe)
-            except _ShmFailed as exc:
+                final = self._receive(iter(self._call), ends)
+            except TransportUnusable as exc:
                 log.warning(
-                    "%s: %s; continuing over gRPC from batch %d", self._what, exc, self._expected
-                )
-                self._call.cancel()
-                self._use_shm = False
-                continue
-            except _TcpFailed as exc:
-                log.warning(
-                    "%s: %s; continuing inside the gRPC stream from batch %d",
+                    "%s: %s; continuing %s from batch %d",
                     self._what,
                     exc,
+                    exc.instead,
                     self._expected,
                 )
                 self._call.cancel()
-                self._tcp_host = None
-                self._on_tcp_failed()
+                self._transports.give_up(exc)
                 continue
             except _Broken as exc:
                 self._call.cancel()  # a broken data connection leaves the call running
@@ -303,16 +204,6 @@ class Receiver(threading.Thread):
                 final = Failed(error, final=True)
             self._put(final)
             return
-
-    def _probe(self) -> shm.Probe | None:
-        if not self._use_shm:
-            return None
-        try:
-            return shm.Probe()
-        except shm.ShmUnavailable as exc:
-            log.info("%s: no shared memory here (%s); streaming over gRPC", self._what, exc)
-            self._use_shm = False
-            return None
 
     def _reconnect(self, error: RemoteLoaderError, failures: int) -> bool:
         """Waits out the backoff and for the connection; False if stopped meanwhile."""
@@ -344,11 +235,12 @@ class Receiver(threading.Thread):
         gave_up.__cause__ = error
         return gave_up
 
-    def _receive(self, frames: Iterator[bytes], probe: shm.Probe | None) -> Item:
+    def _receive(self, frames: Iterator[bytes], ends: StreamEnds) -> Item:
         """Reads one stream; raises _Broken when a new stream could take over from here."""
         self._finished = None
+        self._ends = ends
         try:
-            return self._read(frames, probe)
+            return self._read(frames, ends)
         except grpc.RpcError as exc:
             if self._finished is not None:
                 return self._finished  # the end frame arrived: what breaks after it is moot
@@ -359,23 +251,15 @@ class Receiver(threading.Thread):
         except ConnectionLostError as exc:
             raise _Broken(exc) from exc
         finally:
-            if probe is not None:
-                probe.remove()  # the server removes it when it reads it; this is in case not
-            if self._ring is not None:  # each stream has its own ring
-                self._ring.close()
-                self._ring = None
-            if self._data is not None:  # and its own data connection
-                self._data.close()
-                self._data = None
+            self._ends = None
+            ends.close()  # each stream has its own probe, ring and data connection
 
-    def _read(self, frames: Iterator[bytes], probe: shm.Probe | None) -> Item:
+    def _read(self, frames: Iterator[bytes], ends: StreamEnds) -> Item:
         expected = self._expected
-        assembly: _Assembly | None = None
+        assembly: Assembly | None = None
         finished: Finished | None = None
         for message in frames:
-            if probe is not None:
-                probe.remove()  # the server has read it, or never will
-                probe = None
+            ends.answered()
             try:
                 meta, data = wire.parse_frame(message)
             except wire.FrameError as exc:
@@ -383,8 +267,7 @@ class Receiver(threading.Thread):
             if finished is not None:
                 raise ProtocolError(f"{self._what}: a frame arrived after the end of the stream")
             if assembly is None:
-                if meta.HasField("tcp_channel"):
-                    self._connect(meta.tcp_channel, expected)
+                if ends.control(meta):
                     continue
                 if meta.HasField("end"):
                     if meta.end.batches != expected:
@@ -408,18 +291,13 @@ class Receiver(threading.Thread):
                         return Finished(expected)
                     self._expected = expected
                     continue
-                assembly = _Assembly(meta, self._pin)
-            if meta.HasField("shm"):
-                ready = self._from_ring(meta, assembly)
-            elif meta.on_tcp:
-                received = self._from_socket(assembly)
-                if received is None:
-                    return Finished(expected)  # stopped
-                ready = received
-            elif assembly.add(meta, data):
-                ready = self._decode(assembly, "grpc")
-            else:
+                assembly = Assembly(meta, self._pin)
+            end = ends.carrying(meta)
+            if not end.fill(meta, data, assembly):
+                if self._stopped.is_set():
+                    return Finished(expected)  # stopped while the end waited for the batch
                 continue  # more parts of this batch to come
+            ready = self._decode(assembly, end.name)
             assembly = None
             expected += 1
             if not self._put(ready):
@@ -432,55 +310,7 @@ class Receiver(threading.Thread):
             "without the server's end-of-stream frame"
         )
 
-    def _connect(self, channel: Any, expected: int) -> None:
-        """Opens the data connection the stream's first Frame announced."""
-        if self._data is not None or expected != self._expected:
-            raise ProtocolError(f"{self._what}: a data connection announced mid-stream")
-        if self._tcp_host is None:
-            raise ProtocolError(f"{self._what}: a data connection this client did not ask for")
-        try:
-            self._data = tcp.connect(self._tcp_host, channel.port, channel.ticket)
-        except (tcp.DataConnectionError, ValueError) as exc:
-            raise _TcpFailed(str(exc)) from exc
-
-    def _from_socket(self, assembly: _Assembly) -> Ready | None:
-        """Reads a batch from the data connection into `assembly`; None if stopped."""
-        sock = self._data
-        if sock is None:
-            raise ProtocolError(
-                f"{self._what}: batch {assembly.batch} is on a data connection that was never made"
-            )
-        try:
-            complete = assembly.receive(
-                lambda view: tcp.recv_into(sock, view, self._stopped.is_set)
-            )
-        except tcp.DataConnectionError as exc:
-            raise ConnectionLostError(f"{self._what}: batch {assembly.batch}: {exc}") from exc
-        if not complete:
-            return None
-        return self._decode(assembly, "tcp")
-
-    def _from_ring(self, meta: Any, assembly: _Assembly) -> Ready:
-        """Copies a batch out of the stream's ring into `assembly`, hands its space back."""
-        ref = meta.shm
-        if self._ring is None or self._ring.name != ref.ring:
-            if self._ring is not None:
-                self._ring.close()  # the server moved to a larger ring: the old one is read
-                self._ring = None
-            try:
-                self._ring = shm.RingReader(ref.ring, ref.ring_bytes)
-            except shm.ShmUnavailable as exc:
-                raise _ShmFailed(str(exc)) from exc
-        try:
-            view = self._ring.view(ref.offset, meta.total_bytes)
-        except ValueError as exc:
-            raise ProtocolError(f"{self._what}: batch {meta.batch}: {exc}") from exc
-        assembly.add(meta, view.data)  # the one copy, out of shared memory
-        del view
-        self._ring.release(ref.release)
-        return self._decode(assembly, "shm")
-
-    def _decode(self, assembly: _Assembly, transport: str) -> Ready:
+    def _decode(self, assembly: Assembly, transport: str) -> Ready:
         header = memoryview(assembly.header)
         try:
             if self._copy_stream is None:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from remote_loader.protos.channel import ChannelTLS, dial
+
 TOKEN_ENV = "REMOTE_LOADER_TOKEN"
 
 if TYPE_CHECKING:  # generic in grpc-stubs only
@@ -49,12 +51,17 @@ class TLS:
                 "TLS) or neither"
             )
 
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read_pem("ca", self.ca),
-            private_key=_read_pem("key", self.key),
-            certificate_chain=_read_pem("cert", self.cert),
+    def read(self) -> ChannelTLS:
+        """The PEM files' contents, read now; ValueError for one that cannot be read."""
+        return ChannelTLS(
+            ca=_read_pem("ca", self.ca),
+            cert=_read_pem("cert", self.cert),
+            key=_read_pem("key", self.key),
+            server_name=self.server_name,
         )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return self.read().credentials()
 
 
 def _read_pem(field: str, path: str | os.PathLike[str] | None) -> bytes | None:
@@ -106,13 +113,7 @@ def open_channel(
     token: str | None,
 ) -> grpc.Channel:
     """A channel to `address`: TLS or plaintext, sending `token` (if any) on every call."""
-    if tls is None:
-        channel = grpc.insecure_channel(address, options=list(options))
-    else:
-        extra = (
-            [] if tls.server_name is None else [("grpc.ssl_target_name_override", tls.server_name)]
-        )
-        channel = grpc.secure_channel(address, tls.credentials(), options=[*options, *extra])
+    channel = dial(address, options, None if tls is None else tls.read())
     if token is None:
         return channel
     return grpc.intercept_channel(channel, _BearerToken(token))

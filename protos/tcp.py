@@ -33,7 +33,8 @@ The socket is plaintext: a server with TLS does not offer it (its batches stay i
 Falling back, losing and repeating nothing: a client that cannot connect (another network, a
 firewall, a proxy in between) cancels the call and opens a new one from the same batch with
 `tcp` off, so the server stops waiting at once. A socket that breaks mid-stream is a broken
-stream: the client resumes from its next batch, like any other break (client/receiver.py).
+stream: the client resumes from its next batch, like any other break (client/receiver.py;
+the client's end is client/transports/tcp.py, the server's server/transports/tcp.py).
 
 Bounds: a stream has one data connection; the server writes a batch only after sending its
 Frame and only as fast as the client reads (the kernel's socket buffers, SOCKET_BUFFER each

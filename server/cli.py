@@ -247,24 +247,22 @@ def _health_tls(args: argparse.Namespace) -> HealthTLS | None:
 
 
 def _health_channel(address: str, tls: HealthTLS | None) -> Any:
-    """A channel to `address`; ConfigError for TLS files that cannot be read."""
-    import grpc
-
+    """A channel to `address`, as a RemoteLoader opens it; ConfigError for TLS files that
+    cannot be read."""
+    from remote_loader.protos.channel import ChannelTLS, dial
     from remote_loader.server.auth import read_pem
 
     if tls is None:
-        return grpc.insecure_channel(address)
+        return dial(address)
     if (tls.cert is None) != (tls.key is None):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=None if tls.ca is None else read_pem("--tls-ca", tls.ca),
-        private_key=None if tls.key is None else read_pem("--tls-key", tls.key),
-        certificate_chain=None if tls.cert is None else read_pem("--tls-cert", tls.cert),
+    pem = ChannelTLS(
+        ca=None if tls.ca is None else read_pem("--tls-ca", tls.ca),
+        key=None if tls.key is None else read_pem("--tls-key", tls.key),
+        cert=None if tls.cert is None else read_pem("--tls-cert", tls.cert),
+        server_name=tls.server_name,
     )
-    options = []
-    if tls.server_name is not None:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.secure_channel(address, credentials, options=options)
+    return dial(address, tls=pem)
 
 
 def _health(address: str, timeout: float, service: str, tls: HealthTLS | None = None) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
-from remote_loader.client import receiver as receiver_module
+from remote_loader.client import assembly as assembly_module
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import StartServer
 
@@ -96,7 +96,7 @@ def test_receive_buffers_stay_within_the_prefetch_depth(
     alive: list[StorageWeakRef] = []
     most = 0
     lock = threading.Lock()
-    real_init = receiver_module._Assembly.__init__
+    real_init = assembly_module.Assembly.__init__
 
     def counted(self: Any, meta: Any, pin: bool) -> None:
         nonlocal most
@@ -105,7 +105,7 @@ def test_receive_buffers_stay_within_the_prefetch_depth(
             alive.append(StorageWeakRef(self.payload.untyped_storage()))
             most = max(most, sum(1 for ref in alive if not ref.expired()))
 
-    monkeypatch.setattr(receiver_module._Assembly, "__init__", counted)
+    monkeypatch.setattr(assembly_module.Assembly, "__init__", counted)
     address = start_server(
         LoaderSpec(
             name="sizes",

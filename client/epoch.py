@@ -1,0 +1,203 @@
+"""One epoch of a RemoteLoader: the iterator a training loop gets from `iter(loader)` (a
+receiver thread and the bounded queue it fills), and the figures it keeps (`LoaderStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from remote_loader.client.errors import ConnectionLostError, LoaderTimeoutError
+from remote_loader.client.receiver import (
+    POLL_INTERVAL,
+    Failed,
+    Finished,
+    Item,
+    Ready,
+    Receiver,
+)
+from remote_loader.client.transports import StreamEnds, Transports
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import tcp
+
+if TYPE_CHECKING:  # the loader imports this module
+    from remote_loader.client.loader import RemoteLoader
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderStats:
+    """How an epoch went for the training loop (`RemoteLoader.stats()`).
+
+    `wait_fraction` is the share of the wall time since the epoch's first `next()` that the
+    loop spent blocked in `next()`: near 1, loading is the bottleneck (more server workers, a
+    faster dataset); near 0, the training step is, and the loader keeps up.
+    """
+
+    epoch: int
+    batches: int = 0  # batches received by the training loop (errors at a position not counted)
+    # Their encoded bytes (header and tensor data): the server counts the same bytes in
+    # remote_loader_bytes_served_total.
+    bytes: int = 0
+    wait_seconds: float = 0.0  # blocked in next()
+    elapsed_seconds: float = 0.0  # since the epoch's first next(); up to its end once it ended
+    wait_fraction: float = 0.0  # wait_seconds / elapsed_seconds, in [0, 1]
+    reconnects: int = 0  # broken streams resumed (see `retries`)
+    # How the latest batch came: "shm" (same host, shared memory), "tcp" (the data connection),
+    # "grpc", or None before any.
+    transport: str | None = None
+
+
+class EpochIterator(Iterator[Any]):
+    """One epoch's stream: a receiver thread and the bounded queue it fills."""
+
+    def __init__(self, owner: RemoteLoader, request: pb.StreamRequest, start: int) -> None:
+        self._owner = owner
+        self.epoch = request.epoch
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=owner.prefetch)
+        self._done = False
+        self.finished = False  # the epoch's end was reached (StopIteration)
+        what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
+
+        def open_stream(first: int, ends: StreamEnds) -> Any:
+            again = pb.StreamRequest()
+            again.CopyFrom(request)
+            again.start = first
+            ends.offer(again)
+            return owner._stream(again, wait_for_ready=True)
+
+        transports = Transports(
+            what,
+            use_shm=owner.transport == "auto",
+            # A TLS client keeps its batches inside TLS (the data connection is plaintext).
+            tcp_host=(
+                tcp.target_host(owner.address)
+                if owner.transport != "grpc" and owner.tls is None and not owner._no_data_connection
+                else None
+            ),
+            on_tcp_failed=owner._data_connection_failed,
+        )
+        self._receiver = Receiver(
+            open_stream,
+            self._queue,
+            transports=transports,
+            device=owner.device,
+            pin=owner.pin_memory,
+            what=what,
+            start=start,
+            retries=owner.retries,
+            backoff=owner.backoff,
+            wait_ready=owner._wait_ready,
+            connect_timeout=owner.connect_timeout,
+        )
+        self._receiver.start()
+        self.batches = start  # the epoch's position: batches yielded, including skipped ones
+        self.transport: str | None = None  # how the latest batch handed out arrived
+        # For stats(): when the loop first asked, how long it has been blocked in next(), what
+        # it received, and when the epoch ended (None while it runs).
+        self._first_next: float | None = None
+        self._waited = 0.0
+        self._received = 0
+        self._received_bytes = 0
+        self._ended_at: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        item = self._timed_get()
+        if isinstance(item, Finished):
+            self._done = self.finished = True
+            self._receiver.join()
+            raise StopIteration
+        if isinstance(item, Failed):
+            if item.final:
+                self._done = True
+                self._receiver.join()
+            raise item.error
+        self.batches += 1
+        return _on_device(item)
+
+    def _timed_get(self) -> Item:
+        """`_get`, counting the time the training loop is blocked in it (for stats())."""
+        entered = time.monotonic()
+        if self._first_next is None:
+            self._first_next = entered
+        try:
+            item = self._get()
+        finally:
+            self._waited += time.monotonic() - entered
+        if isinstance(item, Ready):
+            self._received += 1
+            self._received_bytes += item.nbytes
+            # The receiver may already be batches ahead, on another transport (a batch larger
+            # than the ring goes as frames): this is the one the training loop now gets.
+            self.transport = item.transport
+        elif isinstance(item, Finished) or item.final:
+            self._ended_at = time.monotonic()
+        return item
+
+    def stats(self) -> LoaderStats:
+        if self._first_next is None:
+            return LoaderStats(
+                epoch=self.epoch,
+                reconnects=self._receiver.reconnects,
+                transport=self.transport,
+            )
+        elapsed = (self._ended_at or time.monotonic()) - self._first_next
+        return LoaderStats(
+            epoch=self.epoch,
+            batches=self._received,
+            bytes=self._received_bytes,
+            wait_seconds=self._waited,
+            elapsed_seconds=elapsed,
+            wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
+            reconnects=self._receiver.reconnects,
+            transport=self.transport,
+        )
+
+    def _get(self) -> Item:
+        """The next item, waiting at most the loader's timeout, never on a dead receiver."""
+        deadline = None if self._owner.timeout is None else time.monotonic() + self._owner.timeout
+        while True:
+            try:
+                return self._queue.get(timeout=POLL_INTERVAL)
+            except queue.Empty:
+                if not self._receiver.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise ConnectionLostError(
+                        "the receiver thread ended without a result (the stream was stopped)"
+                    ) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LoaderTimeoutError(
+                        f"RemoteLoader timed out after {self._owner.timeout} seconds waiting "
+                        f"for batch {self.batches} of epoch {self.epoch}"
+                    ) from None
+
+    def close(self) -> None:
+        """Cancels the stream; the server stops producing for it."""
+        self._done = True
+        self._receiver.stop()
+        self._receiver.join(timeout=5.0)
+
+    def __del__(self) -> None:
+        # Backstop only: close() / RemoteLoader.close() are the cleanup path.
+        if not self._done:
+            self._receiver.stop()
+
+
+def _on_device(item: Ready) -> Any:
+    """Makes the training loop's stream wait for the batch's copy, and keeps memory safe."""
+    if item.event is not None and item.device_payload is not None:
+        stream = torch.cuda.current_stream(item.device_payload.device)
+        stream.wait_event(item.event)
+        # The payload was allocated on the copy stream and is used on this one: tell the caching
+        # allocator, or it could hand the memory to the next copy while kernels still read it.
+        item.device_payload.record_stream(stream)
+    return item.batch

@@ -1,0 +1,141 @@
+"""The receive side of the transports, one module per transport:
+
+- base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
+  other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
+- shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
+- tcp.py: a data connection beside the gRPC stream, for a client on another host (protos/tcp.py).
+
+`Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
+`StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
+receiver reads Frames and knows none of them. The server's side is remote_loader.server.transports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from remote_loader.client.errors import ProtocolError
+from remote_loader.client.transports.base import End, InbandEnd, TransportUnusable
+from remote_loader.client.transports.shm import ShmEnd
+from remote_loader.client.transports.tcp import TcpEnd
+from remote_loader.protos import loader_pb2 as pb
+
+# Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
+from remote_loader.protos import shm as shm_protocol
+
+__all__ = [
+    "End",
+    "InbandEnd",
+    "ShmEnd",
+    "StreamEnds",
+    "TcpEnd",
+    "TransportUnusable",
+    "Transports",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Transports:
+    """What this client offers the streams of one epoch, less what it has given up on.
+
+    `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for a data
+    connection to this host (the gRPC target's; None: never). `on_tcp_failed` is called when
+    one could not be made: the owner stops asking in later epochs (a firewall that drops the
+    connection would cost every epoch tcp.CONNECT_TIMEOUT).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        use_shm: bool,
+        tcp_host: str | None,
+        on_tcp_failed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._what = what
+        self._use_shm = use_shm and shm_protocol.available()
+        self._tcp_host = tcp_host
+        self._on_tcp_failed = on_tcp_failed
+
+    def open(self, stopped: Callable[[], bool]) -> StreamEnds:
+        """The ends of a new stream, with what its request offers; `stopped`: the receiver's."""
+        return StreamEnds(self._what, self._probe(), self._tcp_host, stopped)
+
+    def give_up(self, unusable: TransportUnusable) -> None:
+        """Offers no more streams the transport `unusable` names."""
+        if unusable.transport == ShmEnd.name:
+            self._use_shm = False
+        elif unusable.transport == TcpEnd.name:
+            self._tcp_host = None
+            self._on_tcp_failed()
+
+    def _probe(self) -> shm_protocol.Probe | None:
+        if not self._use_shm:
+            return None
+        try:
+            return shm_protocol.Probe()
+        except shm_protocol.ShmUnavailable as exc:
+            log.info("%s: no shared memory here (%s); streaming over gRPC", self._what, exc)
+            self._use_shm = False
+            return None
+
+
+class StreamEnds:
+    """One stream's receiving ends: what its request offers, and which end carries each
+    batch Frame. Owns what the ends open (a probe, a ring, a socket) until `close()`."""
+
+    def __init__(
+        self,
+        what: str,
+        probe: shm_protocol.Probe | None,
+        tcp_host: str | None,
+        stopped: Callable[[], bool],
+    ) -> None:
+        self._what = what
+        self._inband = InbandEnd()
+        self._shm = ShmEnd(what, probe)
+        self._tcp = TcpEnd(what, tcp_host, stopped)
+        self._carried = False  # a batch Frame arrived: too late to announce a data connection
+
+    def offer(self, request: pb.StreamRequest) -> None:
+        """Writes the offer into the stream's `request`: a shared-memory probe, a data
+        connection; the server picks at most one, and Frames are the rest."""
+        offer = self._shm.offer()
+        if offer is not None:
+            request.shm.CopyFrom(offer)
+        request.tcp = self._tcp.asked
+
+    def answered(self) -> None:
+        """A Frame arrived: the server has read the offer."""
+        self._shm.answered()
+
+    def control(self, meta: pb.Frame) -> bool:
+        """Handles `meta` if it is a Frame for the transports (a data connection's
+        announcement, before any batch) rather than a batch: True if it was."""
+        if not meta.HasField("tcp_channel"):
+            return False
+        if self._carried:
+            raise ProtocolError(f"{self._what}: a data connection announced mid-stream")
+        self._tcp.connect(meta.tcp_channel)
+        return True
+
+    def carrying(self, meta: pb.Frame) -> End:
+        """The end that carries the batch Frame `meta`."""
+        self._carried = True
+        if meta.HasField("shm"):
+            return self._shm
+        if meta.on_tcp:
+            return self._tcp
+        return self._inband
+
+    def beat(self) -> None:
+        """The training loop is busy: tells the server, which may be waiting for room on the
+        ring or the data connection, that this client is alive all the same."""
+        self._shm.beat()
+        self._tcp.beat()
+
+    def close(self) -> None:
+        self._shm.close()
+        self._tcp.close()
