@@ -37,7 +37,7 @@ class Consumer(_message.Message):
     def __init__(self, sharing: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class LoaderInfo(_message.Message):
-    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length", "sharing", "epoch_length")
+    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length", "sharing", "epoch_length", "pool")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class LoaderInfo(_message.Message):
     DATASET_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
     has_length: bool
@@ -67,7 +68,18 @@ class LoaderInfo(_message.Message):
     dataset_length: int
     sharing: _containers.RepeatedScalarFieldContainer[str]
     epoch_length: int
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ...) -> None: ...
+    pool: PoolInfo
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("backend", "nodes", "workers")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    nodes: int
+    workers: int
+    def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp")

@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help=f"largest request message in bytes (default {DEFAULTS.max_request_bytes})",
     )
+    serve.add_argument(
+        "--ray-address",
+        help='the Ray cluster of loaders with pool = "ray" (HOST:PORT of its head, or '
+        '"auto"); default: start a local Ray instance',
+    )
     # The token itself has no flag (a command line is visible in `ps`): REMOTE_LOADER_TOKEN.
     serve.add_argument(
         "--token-file",

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from remote_loader.server.backends import Pool, make_pool
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.policies import policy_for
-from remote_loader.server.pool import WorkerPool
 from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
 from remote_loader.server.sharing import Runs
@@ -123,6 +123,7 @@ class LoaderHost:
         ctx: multiprocessing.context.BaseContext,
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        ray_address: str | None = None,
     ) -> None:
         if max_batch_bytes < 1:
             raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
@@ -136,7 +137,10 @@ class LoaderHost:
         self.batching = Batching.of(self._loader)
         self._ctx = ctx
         self._cond = threading.Condition()
-        self._persistent: WorkerPool | None = None
+        self._ray_address = ray_address
+        # The last pool started (for Describe): its backend, nodes and workers.
+        self.pool_info: dict[str, int | str] = {}
+        self._persistent: Pool | None = None
         self._persistent_job: str | None = None  # the job whose Run holds it, None when free
         self._closed = False
         self.runs = Runs(
@@ -180,15 +184,18 @@ class LoaderHost:
             with self._cond:
                 self._persistent = self._new_pool()
 
-    def _new_pool(self) -> WorkerPool:
-        pool = WorkerPool(
+    def _new_pool(self) -> Pool:
+        pool = make_pool(
             self.spec,
             self.batching,
             self._ctx,
             max_batch_bytes=self.max_batch_bytes,
             metrics=self.metrics,
+            ray_address=self._ray_address,
         )
         pool.start()
+        self.pool_info = info = pool.describe()
+        self.metrics.pool_started(str(info["backend"]), int(info["nodes"]), int(info["workers"]))
         return pool
 
     @contextlib.contextmanager
@@ -222,7 +229,7 @@ class LoaderHost:
         finally:
             self._give_back(pool)
 
-    def _take_persistent(self, job: str, give_up: Callable[[], bool]) -> WorkerPool | None:
+    def _take_persistent(self, job: str, give_up: Callable[[], bool]) -> Pool | None:
         wait = self.spec.workers_timeout
         assert wait is not None  # LoaderSpec sets it (None: as detach_timeout)
         deadline = time.monotonic() + wait
@@ -242,7 +249,7 @@ class LoaderHost:
                     raise LeaseAbandoned(job)
                 self._cond.wait(min(remaining, POLL_INTERVAL))
 
-    def _give_back(self, pool: WorkerPool) -> None:
+    def _give_back(self, pool: Pool) -> None:
         with self._cond:
             self._persistent_job = None
             broken = pool.broken

@@ -12,7 +12,7 @@ import wsgiref.simple_server
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
@@ -85,6 +85,19 @@ class LoaderMetrics:
             ("loader",),
             registry=None,
         )
+        self._pool_nodes = Gauge(
+            "remote_loader_pool_nodes",
+            "Hosts the loader's workers ran on when its pool last started (1 for local "
+            'processes; Ray nodes holding its actors for pool = "ray").',
+            ("loader", "backend"),
+            registry=None,
+        )
+        self._pool_workers = Gauge(
+            "remote_loader_pool_workers",
+            "Workers (processes or Ray actors) of the loader's pool when it last started.",
+            ("loader", "backend"),
+            registry=None,
+        )
         self._queue_wait = Histogram(
             "remote_loader_queue_wait_seconds",
             "Seconds a batch waited in each server queue: index (task submitted -> a worker "
@@ -140,12 +153,19 @@ class LoaderMetrics:
             self.bytes_served,
             self.batch_errors,
             self._restarts,
+            self._pool_nodes,
+            self._pool_workers,
             self._queue_wait,
             self._latency,
             self._make,
             self._stream_wait,
             self._send,
         )
+
+    def pool_started(self, backend: str, nodes: int, workers: int) -> None:
+        """A pool of `backend` started with `workers` workers on `nodes` hosts."""
+        self._pool_nodes.labels(self.loader, backend).set(nodes)
+        self._pool_workers.labels(self.loader, backend).set(workers)
 
     def watch_consumers(self, consumers: Callable[[], Iterable[ConsumerRow]]) -> None:
         """Where scrapes read the attached consumers and their lag from (the loader's Runs)."""

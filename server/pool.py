@@ -173,6 +173,10 @@ class WorkerPool:
         """Tasks submitted and not yet polled back."""
         return len(self._ledger)
 
+    def describe(self) -> dict[str, int | str]:
+        """For Describe and the metrics: processes of this host."""
+        return {"backend": "local", "nodes": 1, "workers": self.num_workers}
+
     @property
     def pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]

@@ -66,7 +66,11 @@ class Server:
     ) -> None:
         self.settings = settings if settings is not None else ServerSettings()
         specs = _by_name(loaders)
-        self.hosts = build_hosts(specs, max_batch_bytes=self.settings.max_batch_bytes)
+        self.hosts = build_hosts(
+            specs,
+            max_batch_bytes=self.settings.max_batch_bytes,
+            ray_address=self.settings.ray_address,
+        )
         try:
             self._server = create_server(self.hosts, self.settings)
         except BaseException:
@@ -209,13 +213,16 @@ def build_hosts(
     ctx: multiprocessing.context.BaseContext | None = None,
     *,
     max_batch_bytes: int = ServerSettings.max_batch_bytes,
+    ray_address: str | None = None,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
     ctx = ctx or worker_context()
     hosts: dict[str, LoaderHost] = {}
     try:
         for name, spec in specs.items():
-            hosts[name] = LoaderHost(spec, ctx, max_batch_bytes=max_batch_bytes)
+            hosts[name] = LoaderHost(
+                spec, ctx, max_batch_bytes=max_batch_bytes, ray_address=ray_address
+            )
             hosts[name].start()
     except BaseException:
         for host in hosts.values():

@@ -149,6 +149,11 @@ class LoaderService:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
             info.dataset_length = len(host.dataset)
+        if spec.num_workers > 0:
+            started = host.pool_info
+            info.pool.backend = spec.pool
+            info.pool.nodes = int(started.get("nodes", 0))
+            info.pool.workers = int(started.get("workers", spec.num_workers))
         return info
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -72,6 +72,9 @@ class ServerSettings:
     tls_client_ca: str | None = None
     # gRPC server reflection (grpcurl and the like); it needs the token like any other call.
     reflection: bool = False
+    # The Ray cluster of loaders with pool = "ray" (ray.init's address: HOST:PORT of the head's
+    # GCS, or "auto"); None starts a local Ray instance on this host.
+    ray_address: str | None = None
     # The token itself, from REMOTE_LOADER_TOKEN only (ENV_ONLY); never shown.
     token: str | None = dataclasses.field(default=None, repr=False)
 
@@ -210,6 +213,7 @@ _TYPES: dict[str, type] = {
     "tls_key": str,
     "tls_client_ca": str,
     "reflection": bool,
+    "ray_address": str,
     "token": str,
 }
 

@@ -27,6 +27,11 @@ SHARING_MODES = ("partition", "broadcast", "dynamic")
 SEEDING_MODES = ("worker", "per_batch")
 
 
+# Where a loader's workers run (server/backends.py): "local", processes of this server; "ray",
+# actors on a Ray cluster (the `ray` extra).
+POOL_BACKENDS = ("local", "ray")
+
+
 class ConfigError(ValueError):
     """A config file or flag that cannot be turned into a loader spec."""
 
@@ -84,6 +89,10 @@ class LoaderSpec:
     # dynamic, at the end of the epoch: how long a consumer waits for batches a peer holds
     # (and would hand back if it went away) before its stream ends.
     handback_timeout: float | None = None
+    # Where the workers run (POOL_BACKENDS; not DataLoader options): with "ray", each worker is
+    # an actor asking `ray_num_cpus` CPUs of the cluster at the server's ray_address.
+    pool: str = "local"
+    ray_num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
@@ -103,6 +112,20 @@ class LoaderSpec:
             # LoaderInfo.seed is an int64: a seed outside it could not be told to clients.
             raise ConfigError(
                 f"{where}: seed must be between {-(2**63)} and {2**63 - 1} (int64), got {self.seed}"
+            )
+        if self.pool not in POOL_BACKENDS:
+            raise ConfigError(
+                f"{where}: pool must be one of {', '.join(POOL_BACKENDS)}, got {self.pool!r}"
+            )
+        if self.pool == "ray" and self.num_workers < 1:
+            raise ConfigError(
+                f'{where}: pool = "ray" runs the workers as Ray actors; it needs '
+                f"num_workers >= 1, got {self.num_workers} (0 loads in the server itself)"
+            )
+        if not self.ray_num_cpus >= 0:
+            raise ConfigError(
+                f"{where}: ray_num_cpus must be >= 0 (CPUs each Ray worker asks of the "
+                f"cluster), got {self.ray_num_cpus}"
             )
         if self.broadcast_window < 1:
             raise ConfigError(
@@ -127,7 +150,7 @@ class LoaderSpec:
         The name is left out (renaming a loader does not change its data); num_workers,
         prefetch_factor, persistent_workers, timeout and in_order are left out too, since batch
         contents and order do not depend on them, and so are the sharing options that only
-        decide who may attach and how long they may lag.
+        decide who may attach and how long they may lag, and where the workers run.
         """
         decisive = self.to_json()
         for key in (
@@ -140,6 +163,8 @@ class LoaderSpec:
             "sharing",
             "broadcast_window",
             *SHARING_TIMEOUTS,
+            "pool",
+            "ray_num_cpus",
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
@@ -203,9 +228,10 @@ def _check_type(name: str, key: str, value: Any) -> Any:
                 f"{where} must be a list of modes ({', '.join(SHARING_MODES)}), got {value!r}"
             )
         return tuple(value)
-    if key == "seeding":
+    if key in ("seeding", "pool"):
+        modes = SEEDING_MODES if key == "seeding" else POOL_BACKENDS
         if not isinstance(value, str):
-            raise ConfigError(f"{where} must be one of {', '.join(SEEDING_MODES)}, got {value!r}")
+            raise ConfigError(f"{where} must be one of {', '.join(modes)}, got {value!r}")
         return value
     if key in ("shuffle", "drop_last", "persistent_workers", "in_order", "partition_drop_last"):
         if not isinstance(value, bool):
@@ -218,6 +244,10 @@ def _check_type(name: str, key: str, value: Any) -> Any:
     if key == "timeout" or key in SHARING_TIMEOUTS:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{where} must be a number of seconds, got {value!r}")
+        return float(value)
+    if key == "ray_num_cpus":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number of CPUs, got {value!r}")
         return float(value)
     raise AssertionError(key)  # every field is handled above
 
@@ -333,6 +363,14 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--detach-timeout", type=float, default=30.0, metavar="SECONDS")
     for key in SHARING_TIMEOUTS[1:]:
         g.add_argument(f"--{key.replace('_', '-')}", type=float, default=None, metavar="SECONDS")
+    g.add_argument(
+        "--pool",
+        choices=POOL_BACKENDS,
+        default="local",
+        help="where the workers run: processes of this server, or actors on a Ray cluster "
+        "(see --ray-address; default: %(default)s)",
+    )
+    g.add_argument("--ray-num-cpus", type=float, default=1.0, metavar="CPUS")
 
 
 def spec_from_args(args: argparse.Namespace) -> LoaderSpec:

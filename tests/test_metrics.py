@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader
+from remote_loader.server.pool import WorkerPool
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
@@ -127,7 +128,7 @@ def test_a_killed_worker_counts_one_restart(serve_metered: ServeMetered) -> None
     )
     served = serve_metered(spec)
     pool = served.hosts["slow"]._persistent
-    assert pool is not None
+    assert isinstance(pool, WorkerPool)
     got: list[int] = []
     with RemoteLoader(served.address) as loader:
         for i, batch in enumerate(loader):

@@ -51,7 +51,7 @@ def values(batches: Any) -> list[int]:
 
 def persistent_pool(served: Served, name: str) -> WorkerPool:
     pool = served.hosts[name]._persistent
-    assert pool is not None
+    assert isinstance(pool, WorkerPool)
     return pool
 
 

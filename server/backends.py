@@ -1,0 +1,64 @@
+"""The pool seam: where a loader's workers run, chosen per loader by its spec's `pool`.
+
+A backend is an Engine (server/engine.py: begin_epoch / submit / poll / end_epoch) with a
+lifetime (start / shutdown) and a description for Describe and the metrics. The Run, sharing,
+reordering, resume and the transports do not know which backend runs: a third backend is a
+module and a line in `make_pool`.
+
+- "local" (server/pool.py): worker processes of this server.
+- "ray" (server/ray_pool.py): Ray actors on a cluster, through a bridge process; needs the
+  `ray` extra, imported only when a loader asks for it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.context
+from typing import Protocol
+
+from remote_loader.server.engine import Engine
+from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.sampling import Batching
+from remote_loader.server.spec import ConfigError, LoaderSpec
+
+
+class Pool(Engine, Protocol):
+    """A worker pool of some backend."""
+
+    restarts: int  # workers replaced after they died (or were stopped for a timeout)
+
+    def start(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def describe(self) -> dict[str, int | str]: ...
+
+
+def make_pool(
+    spec: LoaderSpec,
+    batching: Batching,
+    ctx: multiprocessing.context.BaseContext,
+    *,
+    max_batch_bytes: int,
+    metrics: LoaderMetrics,
+    ray_address: str | None = None,
+) -> Pool:
+    """A pool of `spec.pool`'s backend (not started)."""
+    if spec.pool == "ray":
+        try:
+            import ray  # noqa: F401  (only to say what is missing, before a bridge starts)
+        except ImportError as exc:
+            raise ConfigError(
+                f'loader {spec.name!r} has pool = "ray", but Ray is not installed here: '
+                'pip install "remote-loader[ray]"'
+            ) from exc
+        from remote_loader.server.ray_pool import RayPool
+
+        return RayPool(
+            spec,
+            batching,
+            ctx,
+            address=ray_address,
+            max_batch_bytes=max_batch_bytes,
+            metrics=metrics,
+        )
+    from remote_loader.server.pool import WorkerPool
+
+    return WorkerPool(spec, batching, ctx, max_batch_bytes=max_batch_bytes, metrics=metrics)

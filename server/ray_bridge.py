@@ -1,0 +1,268 @@
+"""The Ray pool's bridge: a child process of the server that is its only Ray driver.
+
+NOTE [ Ray bridge ]
+
+Why a process of its own: a Ray driver lives only as long as its connection to the cluster. When
+the cluster's control store (GCS) or the local raylet goes away, Ray ends the driver's process
+(measured here: `ray stop` on the head ended a driver with exit code 1 about 2 s later), and
+`ray.init` to an address nobody answers retries without end. In the server that would take down
+every stream of every loader. So the server never imports Ray: this process connects, owns the
+worker actors, and hands each batch over as a worker process does (a Result naming a
+shared-memory slot, server/worker.py). If Ray ends it, the server sees a child exit, fails the
+Run with an error naming ray_address and replaces the pool at the next epoch.
+
+Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
+  server -> bridge  Begin(epoch_key, base_seed) | Send(worker_id, Task) | Kill(worker_id, why)
+                    | None (stop)
+  bridge -> server  Started(nodes, actors) once connected, or Failed(message) and exit;
+                    then a Result (server/worker.py) per task, and Lost(worker_id, reason) when
+                    an actor died and was replaced (its tasks are the server's to re-issue).
+A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
+
+Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
+lost node costs as few workers as it can, and each asks `ray_num_cpus` CPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import queue
+import signal
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from remote_loader.server.ray_actor import BATCH, ERROR, EXHAUSTED, FATAL, RayWorker
+from remote_loader.server.sampling import Batching
+from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.worker import RemoteError, Result, Task, _Slots
+
+# How long the bridge waits for its actors to be placed and built before it gives up.
+ACTOR_START_TIMEOUT = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeConfig:
+    spec: LoaderSpec
+    batching: Batching
+    max_batch_bytes: int
+    address: str | None  # None: start a local Ray instance
+    commands: Any  # reading end of the server's pipe
+    results: Any  # writing end of the bridge's pipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Begin:
+    epoch_key: int
+    base_seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    worker_id: int
+    task: Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    worker_id: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    nodes: int
+    actors: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    worker_id: int
+    reason: str
+
+
+# How long the bridge tries to open a TCP connection to ray_address before calling ray.init,
+# which, when nothing answers there, retries for minutes.
+PROBE_TIMEOUT = 5.0
+
+
+def probe(address: str) -> None:
+    """Raises ConnectionError, saying so, when nothing accepts connections at HOST:PORT."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form ray.init understands and we do not: let it say
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"nothing accepts connections at {address} ({exc.strerror or exc}); is the Ray "
+            "head running (`ray start --head`) and is this its GCS address?"
+        ) from None
+
+
+def connect(address: str | None) -> None:
+    """ray.init for the bridge: the cluster at `address`, or a local instance."""
+    if address is not None:
+        probe(address)
+    import ray
+
+    options: dict[str, Any] = {
+        "logging_level": "WARNING",
+        "log_to_driver": False,
+        "include_dashboard": False,
+        "configure_logging": False,
+    }
+    if address is None:
+        # A local instance: this host's CPUs, on loopback only.
+        ray.init(_node_ip_address="127.0.0.1", **options)
+    else:
+        options.pop("include_dashboard")
+        ray.init(address=address, **options)
+
+
+class _Bridge:
+    def __init__(self, cfg: BridgeConfig) -> None:
+        import ray
+
+        self.ray = ray
+        self.cfg = cfg
+        spec = cfg.spec
+        self.actor_class = ray.remote(RayWorker).options(
+            num_cpus=spec.ray_num_cpus,
+            scheduling_strategy="SPREAD",
+            max_restarts=0,  # replaced by the bridge, which re-issues the tasks it held
+            max_task_retries=0,
+        )
+        self.actors: list[Any] = []
+        self.generations: list[int] = []
+        self.slots = _Slots()
+        self.done: queue.SimpleQueue[tuple[int, int, Task | None, Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self.epoch: Begin | None = None
+        # Ray runs one caller's calls to an actor in the order they were made: the lock makes
+        # "new actor, then its epoch" one step against the command thread's submissions. It
+        # also guards the slots, released there and taken here.
+        self.lock = threading.Lock()
+
+    def new_actor(self, worker_id: int) -> Any:
+        spec = self.cfg.spec
+        return self.actor_class.remote(
+            spec, self.cfg.batching, worker_id, spec.num_workers, self.cfg.max_batch_bytes
+        )
+
+    def start(self) -> Started:
+        n = self.cfg.spec.num_workers
+        self.actors = [self.new_actor(w) for w in range(n)]
+        self.generations = [0] * n
+        nodes = self.ray.get([a.node.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT)
+        return Started(nodes=len(set(nodes)), actors=n)
+
+    def submit(self, worker_id: int, task: Task) -> None:
+        with self.lock:
+            self.slots.release(task.released)
+            actor, generation = self.actors[worker_id], self.generations[worker_id]
+            future = actor.make.remote(task.epoch_key, task.indices, task.seed).future()
+        future.add_done_callback(lambda f: self.done.put((worker_id, generation, task, f)))
+
+    def replace(self, worker_id: int) -> None:
+        # Under the lock: a task for the new actor must not be submitted before its epoch.
+        with self.lock:
+            self.generations[worker_id] += 1
+            actor = self.actors[worker_id] = self.new_actor(worker_id)
+            if self.epoch is not None:
+                actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+
+    def reply(self, worker_id: int, generation: int, task: Task, future: Future[Any]) -> Any:
+        """The message for one finished call; None when there is nothing to say."""
+        if generation != self.generations[worker_id]:
+            return None  # an actor already replaced: its tasks were re-issued
+        base = functools.partial(Result, worker_id, task.epoch_key, task.task_id)
+        try:
+            value = future.result()
+        except self.ray.exceptions.RayActorError as exc:
+            self.replace(worker_id)
+            return Lost(worker_id, f"DataLoader worker {worker_id} (a Ray actor) died: {exc}")
+        except Exception as exc:  # the call itself failed: an error at this task's position
+            where = f"in DataLoader worker {worker_id} (Ray)"
+            return base(error=RemoteError.capture(where, exc))
+        kind = value[0]
+        if kind == FATAL:
+            return base(error=value[1], fatal=True)
+        if kind == EXHAUSTED:
+            return base(exhausted=True)
+        if kind == ERROR:
+            _, error, started, finished = value
+            return base(error=error, started_at=started, finished_at=finished)
+        assert kind == BATCH
+        _, header_nbytes, blob, started, finished = value
+        with self.lock:
+            slot, buffer, new_buffer, dropped = self.slots.take(len(blob))
+        # The one copy the bridge makes: out of Ray's object store into the slot the server
+        # reads (the object goes back to Ray when `value` is dropped).
+        buffer.numpy()[: len(blob)] = blob
+        return base(
+            slot=slot,
+            header_nbytes=header_nbytes,
+            total_nbytes=len(blob),
+            new_buffer=new_buffer,
+            dropped=dropped,
+            started_at=started,
+            finished_at=finished,
+        )
+
+    def read_commands(self) -> None:
+        """The command thread: submits tasks as they come; ends on None or EOF."""
+        while True:
+            try:
+                command = self.cfg.commands.recv()
+            except (EOFError, OSError):
+                command = None
+            if command is None:
+                self.done.put((-1, -1, None, Future()))  # wakes the main loop to stop
+                return
+            if isinstance(command, Begin):
+                with self.lock:
+                    self.epoch = command
+                    for actor in self.actors:
+                        actor.begin_epoch.remote(command.epoch_key, command.base_seed)
+            elif isinstance(command, Send):
+                self.submit(command.worker_id, command.task)
+            elif isinstance(command, Kill):
+                self.ray.kill(self.actors[command.worker_id], no_restart=True)
+
+    def serve(self) -> None:
+        threading.Thread(target=self.read_commands, name="rl-ray-commands", daemon=True).start()
+        while True:
+            worker_id, generation, task, future = self.done.get()
+            if task is None:
+                return
+            message = self.reply(worker_id, generation, task, future)
+            if message is not None:
+                self.cfg.results.send(message)
+            del future, message
+
+
+def bridge_main(cfg: BridgeConfig) -> None:
+    """Entry point of the bridge process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's, which stops us
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    try:
+        connect(cfg.address)
+        bridge = _Bridge(cfg)
+        started = bridge.start()
+    except Exception as exc:
+        cfg.results.send(Failed(f"{type(exc).__name__}: {exc}"))
+        return
+    cfg.results.send(started)
+    with contextlib.suppress(BrokenPipeError, OSError):  # the server is gone
+        bridge.serve()

@@ -1,0 +1,253 @@
+"""The Ray pool backend on a real multi-node Ray cluster, simulated on this host.
+
+Every node is bound to 127.0.0.1 (this machine may use loopback only; Ray would otherwise pick
+the host's own address). One cluster serves the module: a head without CPUs (it holds no
+actor) and two worker nodes, so SPREAD puts the actors of a loader on both and a removed node
+takes some of them with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from ray.cluster_utils import Cluster
+
+from remote_loader.client import DatasetError, RemoteLoader, RemoteLoaderError
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings, resolve_settings
+from remote_loader.server.spec import ConfigError, LoaderSpec, read_config
+from tests.conftest import assert_same
+from tests.test_parity import CASES, SEED, local_batches
+
+LOOPBACK = "127.0.0.1"
+NODE: dict[str, Any] = {"node_ip_address": LOOPBACK, "object_store_memory": 80 << 20, "num_cpus": 1}
+# Ray picks the node's address itself unless told: on Linux it asks the route to the internet,
+# which here is not loopback. With this, any node started in this process uses 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False},
+    )
+    for _ in range(2):
+        c.add_node(**NODE)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()  # type: ignore[no-untyped-call]
+
+
+def ray_spec(name: str, case: str, num_workers: int = 2, **extra: Any) -> LoaderSpec:
+    options = {**CASES[case], **extra}
+    return LoaderSpec(name=name, num_workers=num_workers, pool="ray", ray_num_cpus=0.25, **options)
+
+
+@pytest.fixture(scope="module")
+def address(cluster: Cluster) -> Iterator[str]:
+    specs = [
+        ray_spec("aug", "random-aug"),
+        ray_spec("sampler", "sampler", 3),
+        ray_spec("iterable", "iterable"),
+        ray_spec("unordered", "random-aug", in_order=False),
+        ray_spec("persistent", "map-shuffle", persistent_workers=True),
+        LoaderSpec(name="aug-local", num_workers=2, **CASES["random-aug"]),
+        LoaderSpec(name="persistent-local", num_workers=2, **CASES["map-shuffle"]),
+    ]
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, specs) as server:
+        yield server.address
+        server.stop(0)
+
+
+def epoch_of(address: str, name: str, epoch: int = 3, **kwargs: Any) -> list[Any]:
+    with RemoteLoader(address, name, seed=SEED, **kwargs) as loader:
+        loader.set_epoch(epoch)
+        return list(loader)
+
+
+@pytest.mark.parametrize(
+    ("name", "case", "workers"),
+    [("aug", "random-aug", 2), ("sampler", "sampler", 3), ("iterable", "iterable", 2)],
+)
+def test_ray_workers_give_torchs_batches(address: str, name: str, case: str, workers: int) -> None:
+    remote = epoch_of(address, name)
+    expected = local_batches(LoaderSpec(name=name, num_workers=workers, **CASES[case]), SEED, 3)
+    assert len(remote) == len(expected) > 0
+    assert_same(remote, expected)
+
+
+def test_ray_and_local_pools_give_the_same_batches(address: str) -> None:
+    assert_same(epoch_of(address, "aug"), epoch_of(address, "aug-local"))
+
+
+def test_out_of_order_on_ray_is_the_same_multiset(address: str) -> None:
+    def key(batch: Any) -> Any:
+        return batch[0].tolist()
+
+    remote = epoch_of(address, "unordered", epoch=0)
+    spec = LoaderSpec(name="u", num_workers=2, **CASES["random-aug"])
+    assert_same(sorted(remote, key=key), sorted(local_batches(spec, SEED, 0), key=key))
+
+
+def test_sharing_and_resume_work_unchanged_on_ray(address: str) -> None:
+    whole = epoch_of(address, "persistent")
+    assert_same(whole, epoch_of(address, "persistent-local"))
+    for rank in (0, 1):  # each rank's share is the local pool's share
+        share = {"rank": rank, "world_size": 2}
+        assert_same(
+            epoch_of(address, "persistent", **share), epoch_of(address, "persistent-local", **share)
+        )
+    assert_same(epoch_of(address, "persistent", sharing="dynamic"), whole)
+    with RemoteLoader(address, "persistent", seed=SEED, sharing="broadcast") as loader:
+        loader.set_epoch(3)
+        assert_same(list(loader), whole)
+    with RemoteLoader(address, "persistent", seed=SEED) as loader:
+        loader.set_epoch(3)
+        it = iter(loader)
+        before = [next(it) for _ in range(3)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    with RemoteLoader(address, "persistent", seed=SEED) as loader:
+        loader.load_state_dict(state)
+        assert_same(before + list(loader), whole)
+
+
+def test_describe_names_the_backend_and_its_nodes(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        describe = channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        )
+        info = describe(pb.DescribeRequest(loader="persistent"), timeout=30)
+    assert info.pool.backend == "ray"
+    assert info.pool.workers == 2 and info.pool.nodes == 2  # SPREAD: one actor per node
+
+
+@pytest.mark.timeout(240)
+def test_a_removed_node_costs_nothing_of_the_epoch(cluster: Cluster) -> None:
+    # A node of its own, so removing it leaves the module's cluster as it was.
+    doomed = cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    spec = LoaderSpec(
+        name="slow",
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 30, "seconds": 0.05},
+        batch_size=1,
+        num_workers=3,
+        persistent_workers=True,
+        pool="ray",
+        ray_num_cpus=0.25,
+    )
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
+        assert server.hosts["slow"].pool_info["nodes"] == 3
+        got = []
+        for i, batch in enumerate(loader):
+            got.append(int(batch))
+            if i == 5:
+                cluster.remove_node(doomed)
+        assert got == list(range(30))  # every batch once, in order, no error
+        restarts = server.hosts["slow"].metrics.restarts._value.get()
+        assert restarts >= 1  # the actor on the removed node was replaced
+        assert [int(b) for b in loader] == list(range(30))  # and the next epoch runs too
+
+
+@pytest.mark.timeout(120)
+def test_a_sample_that_kills_its_actor_is_given_up_after_three_tries(cluster: Cluster) -> None:
+    spec = LoaderSpec(
+        name="crash",
+        dataset="tests.datasets:Crashing",
+        dataset_kwargs={"n": 8, "bad": 3},
+        batch_size=1,
+        num_workers=2,
+        pool="ray",
+        ray_num_cpus=0.25,
+    )
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        assert info.value.position == 3 and info.value.remote_type == "WorkerDiedError"
+        assert "3 times: it is given up" in str(info.value)
+        assert [int(b) for b in it] == [4, 5, 6, 7]  # the stream goes on after it
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_ray_address_fails_streams_with_a_clear_error() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind((LOOPBACK, 0))
+        dead = f"{LOOPBACK}:{s.getsockname()[1]}"
+    spec = ray_spec("nowhere", "map")
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=dead)
+    started = time.monotonic()
+    with (
+        Server(settings, [spec]) as server,
+        RemoteLoader(server.address, retries=0) as loader,
+        pytest.raises(RemoteLoaderError) as info,
+    ):
+        list(loader)
+    assert f"cannot use the Ray cluster at {dead}" in str(info.value)
+    assert "nothing accepts connections" in str(info.value)
+    assert time.monotonic() - started < 30
+
+
+def test_pool_ray_is_checked_in_the_spec() -> None:
+    with pytest.raises(ConfigError, match="pool must be one of local, ray"):
+        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="slurm")
+    with pytest.raises(ConfigError, match="needs num_workers >= 1"):
+        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="ray")
+
+
+@pytest.mark.timeout(180)
+def test_losing_the_ray_cluster_mid_epoch_fails_the_stream_not_the_server() -> None:
+    lost = Cluster(
+        initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False}
+    )
+    lost.add_node(**NODE)
+    lost.wait_for_nodes()
+    spec = LoaderSpec(
+        name="slow",
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 200, "seconds": 0.05},
+        batch_size=1,
+        num_workers=1,
+        pool="ray",
+        ray_num_cpus=0.5,
+    )
+    ray_address = lost.address  # None once it is shut down
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
+    started = time.monotonic()
+    with Server(settings, [spec]) as server:
+        with RemoteLoader(server.address) as loader:
+            got = []
+            with pytest.raises(DatasetError) as info:
+                for batch in loader:
+                    got.append(int(batch))
+                    if len(got) == 3:
+                        lost.shutdown()  # type: ignore[no-untyped-call]
+        assert got == list(range(len(got)))  # what arrived was in order, nothing repeated
+        assert "Ray driver process exited" in str(info.value)
+        assert ray_address in str(info.value)
+        assert time.monotonic() - started < 120  # an error, not a hang
+        # The server lives on and says so: its health and Describe still answer.
+        with grpc.insecure_channel(server.address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=10)
+
+
+def test_the_compose_ray_config_serves_a_ray_pool() -> None:
+    specs, table = read_config("docker/loaders-ray.toml")
+    assert {spec.pool for spec in specs.values()} == {"ray"}
+    assert resolve_settings(table, {}).ray_address == "auto"
