@@ -122,8 +122,9 @@ def connect(address: str | None) -> None:
         "configure_logging": False,
     }
     if address is None:
-        # A local instance: this host's CPUs, on loopback only.
-        ray.init(_node_ip_address="127.0.0.1", **options)
+        # A new local instance ("local": not a cluster that happens to run on this host),
+        # this host's CPUs, on loopback only.
+        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
     else:
         options.pop("include_dashboard")
         ray.init(address=address, **options)

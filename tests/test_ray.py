@@ -61,7 +61,11 @@ def address(cluster: Cluster) -> Iterator[str]:
         ray_spec("iterable", "iterable"),
         ray_spec("unordered", "random-aug", in_order=False),
         ray_spec("persistent", "map-shuffle", persistent_workers=True),
+        ray_spec("per-batch", "random-aug", seeding="per_batch"),
         LoaderSpec(name="aug-local", num_workers=2, **CASES["random-aug"]),
+        LoaderSpec(
+            name="per-batch-local", num_workers=2, seeding="per_batch", **CASES["random-aug"]
+        ),
         LoaderSpec(name="persistent-local", num_workers=2, **CASES["map-shuffle"]),
     ]
     settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
@@ -74,6 +78,10 @@ def epoch_of(address: str, name: str, epoch: int = 3, **kwargs: Any) -> list[Any
     with RemoteLoader(address, name, seed=SEED, **kwargs) as loader:
         loader.set_epoch(epoch)
         return list(loader)
+
+
+def epoch_of_local(case: str, epoch: int = 3) -> list[Any]:
+    return local_batches(LoaderSpec(name=case, **CASES[case]), SEED, epoch)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +97,16 @@ def test_ray_workers_give_torchs_batches(address: str, name: str, case: str, wor
 
 def test_ray_and_local_pools_give_the_same_batches(address: str) -> None:
     assert_same(epoch_of(address, "aug"), epoch_of(address, "aug-local"))
+    # per_batch seeding: each batch seeded from its index, the same on either backend.
+    assert_same(epoch_of(address, "per-batch"), epoch_of(address, "per-batch-local"))
+
+
+@pytest.mark.timeout(120)
+def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
+    spec = ray_spec("here", "map", persistent_workers=True)
+    with Server(ServerSettings(address=f"{LOOPBACK}:0"), [spec]) as server:
+        assert server.hosts["here"].pool_info == {"backend": "ray", "nodes": 1, "workers": 2}
+        assert_same(epoch_of(server.address, "here"), epoch_of_local("map"))
 
 
 def test_out_of_order_on_ray_is_the_same_multiset(address: str) -> None:
