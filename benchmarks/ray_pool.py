@@ -102,7 +102,7 @@ def simulated(nodes: int, cpus: float) -> Any:
 
     # Keeps every Ray process of this host on 127.0.0.1 (see tests/test_ray.py).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    node = {"node_ip_address": LOOPBACK, "object_store_memory": 200 << 20}
+    node: dict[str, Any] = {"node_ip_address": LOOPBACK, "object_store_memory": 200 << 20}
     cluster = Cluster(
         initialize_head=True, head_node_args={**node, "num_cpus": 0, "include_dashboard": False}
     )
