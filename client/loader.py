@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 import torch
 
+from remote_loader.client import state as state_module
 from remote_loader.client.epoch import EpochIterator, LoaderStats
 from remote_loader.client.errors import (
     ConnectionLostError,
@@ -28,19 +29,6 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 5
 SHARING_MODES = ("partition", "broadcast", "dynamic")
 TRANSPORTS = ("auto", "tcp", "grpc")
-STATE_VERSION = 1
-_STATE_KEYS = {
-    "version": int,
-    "loader": str,
-    "fingerprint": str,
-    "seed": int,
-    "epoch": int,
-    "batches": int,
-    "sharing": str,
-    "job": str,
-    "rank": int,
-    "world_size": int,
-}
 
 
 class RemoteLoader:
@@ -136,6 +124,10 @@ class RemoteLoader:
         self.transport = transport
         self._epoch = 0
         self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
+        # The earlier job of another world size whose epoch the next iter() finishes
+        # (load_state_dict; client/state.py), and the one of the epoch being read.
+        self._reshard: dict[str, Any] | None = None
+        self._iter_reshard: dict[str, Any] | None = None
         self._iterator: EpochIterator | None = None
         # A data connection could not be made: later epochs do not try again (a firewall that
         # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
@@ -281,7 +273,10 @@ class RemoteLoader:
         )
         if self.seed is not None:
             request.seed = self.seed
+        if self._reshard is not None:
+            request.reshard.CopyFrom(state_module.reshard_message(self._reshard))
         self._iterator = EpochIterator(self, request, self._start)
+        self._iter_reshard, self._reshard = self._reshard, None
         self._epoch += 1
         self._start = 0
         return self._iterator
@@ -295,14 +290,19 @@ class RemoteLoader:
         of an epoch the state points at the start of the next one, as torchdata's
         StatefulDataLoader does.
         """
-        epoch, batches = self._epoch, self._start
+        epoch, batches, reshard = self._epoch, self._start, self._reshard
         it = self._iterator
         if it is not None and not it.finished:
-            epoch, batches = it.epoch, it.batches
-            if self.info.has_length and self.sharing != "dynamic" and batches >= len(self):
+            epoch, batches, reshard = it.epoch, it.batches, self._iter_reshard
+            if (
+                reshard is None
+                and self.info.has_length
+                and self.sharing != "dynamic"
+                and batches >= len(self)
+            ):
                 epoch, batches = epoch + 1, 0
         return {
-            "version": STATE_VERSION,
+            "version": state_module.STATE_VERSION,
             "loader": self.name,
             "fingerprint": self.info.fingerprint,
             "seed": self.seed if self.seed is not None else int(self.info.seed),
@@ -312,47 +312,47 @@ class RemoteLoader:
             "job": self.job,
             "rank": self.rank,
             "world_size": self.world_size,
+            "reshard": reshard,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Makes the next `iter()` continue where `state` (from `state_dict()`) left off.
+    @staticmethod
+    def job_state(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state for a whole partition job from its ranks' `state_dict()`s (one per rank,
+        same epoch), for ranks that were not in step when they saved them; the ranks of a job
+        of any world size then each `load_state_dict` it. DDP ranks are in step: any one
+        rank's own state does the same."""
+        return state_module.job_state(states)
 
-        Raises ValueError for a state of another loader or consumer (sharing, job, rank, world
-        size) and RequestError when the server's spec changed since (its fingerprint differs).
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Makes the next `iter()` continue where `state` (from `state_dict()`, or
+        `job_state()`) left off.
+
+        With partition sharing the state may be of a job of another world size: this rank then
+        receives its share of what that job had not consumed of the epoch (each new rank the
+        same number of batches; a remainder as `partition_drop_last` says), and the epochs
+        after are ordinary ones. Raises ValueError for a state of another loader or consumer
+        (sharing, job; rank at the same world size) and RequestError when the server's spec
+        changed since (its fingerprint differs).
         """
-        for key, kind in _STATE_KEYS.items():
-            value = state.get(key) if isinstance(state, Mapping) else None
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ValueError(
-                    f"not a RemoteLoader state: {key!r} should be {kind.__name__}, got {value!r}"
-                )
-        if state["version"] != STATE_VERSION:
-            raise ValueError(f"state version {state['version']} is not {STATE_VERSION}")
+        state_module.check(state)
         if state["loader"] != self.name:
             raise ValueError(
                 f"the state is of loader {state['loader']!r}, this RemoteLoader reads {self.name!r}"
             )
-        mine = (self.sharing, self.job, self.rank, self.world_size)
-        theirs = (state["sharing"], state["job"], state["rank"], state["world_size"])
-        if mine != theirs:
-            raise ValueError(
-                "the state is of another consumer: (sharing, job, rank, world_size) = "
-                f"{theirs}, this RemoteLoader is {mine}"
-            )
+        point = state_module.resume_point(state, self.sharing, self.job, self.rank, self.world_size)
         if state["fingerprint"] != self.info.fingerprint:
             raise RequestError(
                 f"loader {self.name!r} at {self.address} has changed since the state was saved "
                 f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
                 "resuming would not line the batches up"
             )
-        if state["epoch"] < 0 or state["batches"] < 0:
-            raise ValueError(f"epoch and batches must be >= 0, got {dict(state)!r}")
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
-        self.seed = state["seed"]
-        self._epoch = state["epoch"]
-        self._start = state["batches"]
+        self.seed = point.seed
+        self._epoch = point.epoch
+        self._start = point.start
+        self._reshard = point.reshard
 
     # --- statistics ----------------------------------------------------------------------
 

@@ -82,7 +82,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class StreamRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     TCP_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -99,7 +100,18 @@ class StreamRequest(_message.Message):
     fingerprint: str
     shm: ShmOffer
     tcp: bool
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ...) -> None: ...
+    reshard: Reshard
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ...) -> None: ...
+
+class Reshard(_message.Message):
+    __slots__ = ("world_size", "consumed", "origin")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    consumed: _containers.RepeatedScalarFieldContainer[int]
+    origin: Reshard
+    def __init__(self, world_size: _Optional[int] = ..., consumed: _Optional[_Iterable[int]] = ..., origin: _Optional[_Union[Reshard, _Mapping]] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
     __slots__ = ("probe", "nonce")

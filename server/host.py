@@ -16,13 +16,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from remote_loader.server.backends import Pool, make_pool
+from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer, LeaseAbandoned
-from remote_loader.server.sampling import Batching, build_dataloader, epoch_length, plan_epoch
+from remote_loader.server.sampling import (
+    Batching,
+    EpochPlan,
+    build_dataloader,
+    epoch_length,
+    plan_epoch,
+)
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
@@ -145,12 +152,17 @@ class LoaderHost:
         self._closed = False
         self.runs = Runs(
             spec,
-            lambda seed, epoch, world_size: plan_epoch(spec, self.dataset, seed, epoch, world_size),
+            self._plan,
             self._lease,
             iterable=self.batching.is_iterable,
             metrics=self.metrics,
         )
         self.metrics.watch_consumers(self.runs.consumer_lags)
+
+    def _plan(self, seed: int, epoch: int, world_size: int, reshard: Reshard | None) -> EpochPlan:
+        if reshard is None:
+            return plan_epoch(self.spec, self.dataset, seed, epoch, world_size)
+        return resharded_plan(self.spec, self.dataset, seed, epoch, reshard, world_size)
 
     def __len__(self) -> int:
         """Batches per epoch, as torch's `len(DataLoader)` (TypeError for an unsized dataset)."""
@@ -160,23 +172,48 @@ class LoaderHost:
     def dataset_kind(self) -> str:
         return "iterable" if self.batching.is_iterable else "map"
 
-    def length(self, membership: Membership) -> int:
-        """Batches `membership`'s consumer receives per epoch; TypeError when unknown."""
+    def length(
+        self,
+        membership: Membership,
+        reshard: Reshard | None = None,
+        seed: int = 0,
+        epoch: int = 0,
+    ) -> int:
+        """Batches `membership`'s consumer receives per epoch (of `epoch`, when a job of another
+        world size began it: `reshard`); TypeError when unknown, ReshardError when refused."""
         policy = policy_for(membership.sharing)
         if not policy.fixed_length:
             raise TypeError(f"with {policy.name} sharing it depends on the other consumers")
-        return epoch_length(self._loader, self.spec, policy.plan_world_size(membership))
+        world_size = policy.plan_world_size(membership)
+        if reshard is not None:
+            if self.batching.is_iterable:
+                raise ReshardError(
+                    f"loader {self.spec.name!r} serves an IterableDataset, whose order is not "
+                    "the server's to deal out again: it cannot resume on another world size"
+                )
+            plan = self._plan(seed, epoch, world_size, reshard)
+            assert plan.indices is not None
+            return len(plan.indices(membership.rank))
+        return epoch_length(self._loader, self.spec, world_size)
 
     def check(self, membership: Membership) -> None:
         """Raises SharingError when this loader refuses `membership`."""
         membership.check(self.spec, self.batching.is_iterable)
 
-    def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
-        """A consumer of this epoch from position `start` (NOTE [ Sharing ], server/sharing.py)."""
+    def attach(
+        self,
+        membership: Membership,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+        reshard: Reshard | None = None,
+    ) -> Consumer:
+        """A consumer of this epoch from position `start` (NOTE [ Sharing ], server/sharing.py;
+        `reshard`: NOTE [ Elastic resume ], server/elastic.py)."""
         with self._cond:
             if self._closed:
                 raise ClosingError(f"loader {self.spec.name!r} is shutting down")
-        return self.runs.attach(membership, seed, epoch, start)
+        return self.runs.attach(membership, seed, epoch, start, reshard)
 
     def start(self) -> None:
         """Starts the persistent workers, if the spec asks for them (before the gRPC server)."""

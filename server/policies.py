@@ -12,10 +12,10 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from remote_loader.server.lanes import BroadcastLane, Entry, Lane, QueueLane
+from remote_loader.server.sampling import EpochPlan
 from remote_loader.server.spec import LoaderSpec
 
 if TYPE_CHECKING:  # membership.py asks the policies what they refuse; run.py holds a policy
@@ -40,7 +40,7 @@ class Policy(abc.ABC):
         self,
         key: RunKey,
         spec: LoaderSpec,
-        lane_tasks: Callable[[int], Iterator[Any]],
+        plan: EpochPlan,
         *,
         iterable: bool,
         start: int,
@@ -48,7 +48,8 @@ class Policy(abc.ABC):
     ) -> None:
         self.key = key
         self.spec = spec
-        self._lane_tasks = lane_tasks  # rank -> that rank's tasks (EpochPlan.lane)
+        self._lane_tasks = plan.lane  # rank -> that rank's tasks
+        self._indices = plan.indices  # rank -> its tasks' indices in the epoch, when not k*w+r
         self._iterable = iterable
         self._window = window
         self.lanes: list[Lane] = []
@@ -212,7 +213,9 @@ class Partition(_QueuePolicy):
 
     def batch_index(self, lane: Lane) -> int:
         # Rank r of w's k-th batch is batch k * w + r: every batch of an epoch has its own
-        # index whatever the split.
+        # index whatever the split (an elastic resume keeps each batch's, server/elastic.py).
+        if self._indices is not None:
+            return self._indices(lane.rank)[lane.issued]
         return lane.issued * self.key.world_size + lane.rank
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import (
     POLL_INTERVAL,
     Delivery,
@@ -156,6 +157,9 @@ class RunKey:
     seed: int
     epoch: int
     world_size: int
+    # An epoch finished by another world size than the one that began it (server/elastic.py):
+    # its shares differ from an ordinary epoch's, so it is a Run of its own.
+    reshard: Reshard | None = None
 
 
 class Run:
@@ -190,7 +194,7 @@ class Run:
         # The lanes and who reads what; a queue lane's window is set again once the engine
         # (and its max_outstanding) is known.
         self.policy: Policy = policy_for(key.sharing)(
-            key, spec, plan.lane, iterable=iterable, start=start, window=MIN_LANE_WINDOW
+            key, spec, plan, iterable=iterable, start=start, window=MIN_LANE_WINDOW
         )
         self._thread = threading.Thread(
             target=self._produce,

@@ -113,7 +113,9 @@ class EpochPlan:
     """One epoch: the workers' base seed and, per rank, its sequence of tasks.
 
     A task is what one worker fetch gets: a list of indices, or one index without automatic
-    batching. `lane(rank)` may be called once per rank.
+    batching. `lane(rank)` may be called once per rank. `indices(rank)`, when set, is each of
+    the rank's tasks' index in the epoch (an elastic resume, server/elastic.py); else rank r's
+    k-th task is the epoch's batch k * world_size + r.
     """
 
     seed: int
@@ -121,6 +123,7 @@ class EpochPlan:
     base_seed: int
     world_size: int
     lane: Callable[[int], Iterator[Any]]
+    indices: Callable[[int], list[int]] | None = None
 
 
 def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> list[Any]:

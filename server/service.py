@@ -21,6 +21,7 @@ import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, wire
+from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
@@ -190,9 +191,11 @@ class LoaderService:
                 self._streams -= 1
                 self._streams_changed.notify_all()
 
-    def _admit(self, request: pb.StreamRequest) -> tuple[LoaderHost, Membership, int]:
-        """The stream's loader, membership and seed; a ServerError for a request refused
-        before anything reads the dataset."""
+    def _admit(
+        self, request: pb.StreamRequest
+    ) -> tuple[LoaderHost, Membership, int, Reshard | None]:
+        """The stream's loader, membership, seed and elastic origin; a ServerError for a
+        request refused before anything reads the dataset."""
         host = self._host(request.loader)
         membership = self._membership(host, request.consumer)
         if request.fingerprint and request.fingerprint != host.spec.fingerprint():
@@ -203,13 +206,22 @@ class LoaderService:
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
-        problem = check_positions(host, membership, request.epoch, request.start)
+        try:
+            reshard = Reshard.of(request.reshard)
+            if reshard is not None and membership.sharing != "partition":
+                raise ReshardError(
+                    "only partition sharing resumes on another world size (a broadcast or "
+                    "dynamic consumer's position does not depend on the world size)"
+                )
+            problem = check_positions(host, membership, request.epoch, request.start, seed, reshard)
+        except ReshardError as exc:
+            problem = f"cannot resume this epoch on world_size {membership.world_size}: {exc}"
         if problem is not None:
             raise RequestInvalid(problem)
-        return host, membership, seed
+        return host, membership, seed, reshard
 
     def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        host, membership, seed = self._admit(request)
+        host, membership, seed, reshard = self._admit(request)
         start = request.start
         cancelled = threading.Event()
         # The client went away (cancel, break, crash, deadline): stop producing for it.
@@ -248,7 +260,7 @@ class LoaderService:
                 if connected is None:
                     return
                 sender = connected
-            consumer = host.attach(membership, seed, request.epoch, start)
+            consumer = host.attach(membership, seed, request.epoch, start, reshard)
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
@@ -340,15 +352,23 @@ MAX_EPOCH = 2**63 - 1
 MAX_START = 2**63 - 1
 
 
-def check_positions(host: LoaderHost, membership: Membership, epoch: int, start: int) -> str | None:
-    """What is wrong with a stream's epoch and start, or None: checked before any read."""
+def check_positions(
+    host: LoaderHost,
+    membership: Membership,
+    epoch: int,
+    start: int,
+    seed: int = 0,
+    reshard: Reshard | None = None,
+) -> str | None:
+    """What is wrong with a stream's epoch and start, or None: checked before any read.
+    Raises ReshardError for an elastic resume that cannot be honoured."""
     if epoch > MAX_EPOCH:
         return (
             f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
             f"seed + epoch, as DistributedSampler does), got {epoch}"
         )
     try:
-        length = host.length(membership)
+        length = host.length(membership, reshard, seed, epoch)
     except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
         if start > MAX_START:
             return f"start must be between 0 and {MAX_START}, got {start}"

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import Engine
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
@@ -69,7 +70,7 @@ class Runs:
     def __init__(
         self,
         spec: LoaderSpec,
-        plan: Callable[[int, int, int], EpochPlan],
+        plan: Callable[[int, int, int, Reshard | None], EpochPlan],
         lease: Callable[[str, Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
@@ -78,7 +79,7 @@ class Runs:
         self.spec = spec
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._iterable = iterable
-        self._plan = plan  # (seed, epoch, world_size) -> EpochPlan
+        self._plan = plan  # (seed, epoch, world_size, reshard) -> EpochPlan
         self._lease = lease  # (job, gave up?) -> the engine for one Run
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
@@ -89,12 +90,25 @@ class Runs:
         )
         self._reaper.start()
 
-    def attach(self, membership: Membership, seed: int, epoch: int, start: int = 0) -> Consumer:
+    def attach(
+        self,
+        membership: Membership,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+        reshard: Reshard | None = None,
+    ) -> Consumer:
         """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
-        started if new."""
+        started if new. `reshard`: the epoch was begun by a job of another world size
+        (partition; NOTE [ Elastic resume ])."""
         policy = policy_for(membership.sharing)
         key = RunKey(
-            membership.sharing, membership.job, seed, epoch, policy.run_world_size(membership)
+            membership.sharing,
+            membership.job,
+            seed,
+            epoch,
+            policy.run_world_size(membership),
+            reshard,
         )
         with self._lock:
             for run in reversed(self._runs.get(key, [])):
@@ -105,7 +119,7 @@ class Runs:
                 run = Run(
                     key,
                     self.spec,
-                    self._plan(seed, epoch, policy.plan_world_size(membership)),
+                    self._plan(seed, epoch, policy.plan_world_size(membership), reshard),
                     lambda give_up: self._lease(membership.job, give_up),
                     iterable=self._iterable,
                     start=start,

@@ -94,6 +94,7 @@ def test_state_dict_is_small_plain_json(start_server: StartServer) -> None:
             "job": "j",
             "rank": 1,
             "world_size": 2,
+            "reshard": None,
         }
         it = iter(loader)
         next(it)
@@ -101,8 +102,13 @@ def test_state_dict_is_small_plain_json(start_server: StartServer) -> None:
         state = loader.state_dict()
         assert (state["epoch"], state["batches"]) == (0, 2)  # consumed, not prefetched
         assert json.loads(json.dumps(state)) == state
-    with RemoteLoader(address) as other:  # rank 0 of 1: not the consumer that saved it
-        with pytest.raises(ValueError, match=r"another consumer: .*\('partition', 'j', 1, 2\)"):
+    with (
+        RemoteLoader(address) as other,  # another job: not the consumer that saved it
+        pytest.raises(ValueError, match=r"another consumer: .*\('partition', 'j'\)"),
+    ):
+        other.load_state_dict(state)
+    with RemoteLoader(address, rank=0, world_size=2, job="j") as other:  # another rank of 2
+        with pytest.raises(ValueError, match="the state is of rank 1 of 2, this RemoteLoader is"):
             other.load_state_dict(state)
         with pytest.raises(ValueError, match="'batches' should be int"):
             other.load_state_dict({**state, "batches": "2"})

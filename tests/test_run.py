@@ -80,7 +80,7 @@ def registry(engine: FakeEngine, epoch: list[list[int]], **options: Any) -> Runs
     splits it), each produced by `engine`."""
     spec = LoaderSpec(name="fake", dataset="tests.datasets:Squares", **options)
 
-    def plan(seed: int, number: int, world_size: int) -> EpochPlan:
+    def plan(seed: int, number: int, world_size: int, reshard: object) -> EpochPlan:
         return EpochPlan(
             seed, number, 0, world_size, lambda r: iter(share(epoch, r, world_size, False))
         )
