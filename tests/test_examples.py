@@ -63,3 +63,12 @@ def test_broadcast_consumers_receive_the_same_batches() -> None:
     assert "16 batches, 512 samples each; every sample once: yes" in out, out
     assert re.search(r"^identical: yes$", out, re.M), out
     assert "broadcast example passed" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_restart_reads_every_sample_once() -> None:
+    out = run_example("examples/elastic.py")
+    assert out.count("life 1: rank") == 3 and out.count("life 2: rank") == 2, out
+    assert "read 48 samples" in out and "read 168 samples" in out, out
+    assert "480 samples read, 480 distinct, 0 repeated, 0 missing" in out, out
+    assert "elastic check passed" in out, out
