@@ -15,8 +15,9 @@ Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
   server -> bridge  Begin(epoch_key, base_seed) | Send(worker_id, Task) | Kill(worker_id, why)
                     | None (stop)
   bridge -> server  Started(nodes, actors) once connected, or Failed(message) and exit;
-                    then a Result (server/worker.py) per task, and Lost(worker_id, reason) when
-                    an actor died and was replaced (its tasks are the server's to re-issue).
+                    then a Result (server/worker.py) per task, Lost(worker_id, reason) when
+                    an actor died and was replaced (its tasks are the server's to re-issue),
+                    and Ready(worker_id) once that replacement has started.
 A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
@@ -90,6 +91,17 @@ class Lost:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A replacement actor has started (its dataset built, its epoch begun)."""
+
+    worker_id: int
+
+
+# In the bridge's queue of finished calls, in place of a Task: a replacement's start-up.
+_STARTED = "started"
+
+
 # How long the bridge tries to open a TCP connection to ray_address before calling ray.init,
 # which, when nothing answers there, retries for minutes.
 PROBE_TIMEOUT = 5.0
@@ -146,7 +158,7 @@ class _Bridge:
         self.actors: list[Any] = []
         self.generations: list[int] = []
         self.slots = _Slots()
-        self.done: queue.SimpleQueue[tuple[int, int, Task | None, Future[Any]]] = (
+        self.done: queue.SimpleQueue[tuple[int, int, Task | str | None, Future[Any]]] = (
             queue.SimpleQueue()
         )
         self.epoch: Begin | None = None
@@ -181,7 +193,15 @@ class _Bridge:
             self.generations[worker_id] += 1
             actor = self.actors[worker_id] = self.new_actor(worker_id)
             if self.epoch is not None:
-                actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+                started = actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+            else:
+                started = actor.node.remote()
+            generation = self.generations[worker_id]
+            # Placing an actor and starting its process takes seconds: the server's `timeout`
+            # for its tasks counts from when it is ready (Ready), not from the death.
+            started.future().add_done_callback(
+                lambda f: self.done.put((worker_id, generation, _STARTED, f))
+            )
 
     def reply(self, worker_id: int, generation: int, task: Task, future: Future[Any]) -> Any:
         """The message for one finished call; None when there is nothing to say."""
@@ -247,6 +267,10 @@ class _Bridge:
             worker_id, generation, task, future = self.done.get()
             if task is None:
                 return
+            if isinstance(task, str):  # _STARTED
+                if generation == self.generations[worker_id] and future.exception() is None:
+                    self.cfg.results.send(Ready(worker_id))
+                continue  # a replacement that failed to start shows in its first task
             message = self.reply(worker_id, generation, task, future)
             if message is not None:
                 self.cfg.results.send(message)

@@ -48,6 +48,7 @@ from remote_loader.server.ray_bridge import (
     Failed,
     Kill,
     Lost,
+    Ready,
     Send,
     Started,
     bridge_main,
@@ -106,6 +107,8 @@ class RayPool:
         self._key = -1
         self._epoch_keys = iter(range(1 << 62))
         self._active: list[bool] = []
+        # Workers replaced and not yet Ready: `timeout` does not count for them yet.
+        self._starting: set[int] = set()
         self._turn = 0
         self._closed = False
 
@@ -224,7 +227,9 @@ class RayPool:
         deadline = time.monotonic() + timeout
         while True:
             if self.spec.timeout > 0:
-                stuck = self._ledger.overdue(self.spec.timeout, lambda worker_id: -1)
+                stuck = self._ledger.overdue(
+                    self.spec.timeout, lambda worker_id: -1, starting=self._starting
+                )
                 if stuck is not None:
                     return self._stop_stuck(stuck)
             wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
@@ -245,7 +250,12 @@ class RayPool:
 
     def _on_message(self, message: object) -> Outcome | None:
         if isinstance(message, Lost):
+            self._starting.add(message.worker_id)
             return self._lost(message)
+        if isinstance(message, Ready):
+            self._starting.discard(message.worker_id)
+            self._ledger.worker_ready(message.worker_id)
+            return None
         assert isinstance(message, Result)
         result = message
         self._slots.accept(result)
@@ -309,6 +319,8 @@ class RayPool:
         )
         failed = self._ledger.timed_out(stuck, self.spec.timeout, f"Ray worker {stuck.worker_id}")
         self._command(Kill(stuck.worker_id, "timeout"))
+        # Its other tasks wait for the replacement (Lost, then Ready): not its timeout.
+        self._starting.add(stuck.worker_id)
         return failed
 
     def end_epoch(self) -> None:

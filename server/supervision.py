@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from remote_loader.server.engine import Delivery, Outcome, WorkerDiedError
@@ -147,16 +147,26 @@ class TaskLedger:
                 current[worker_id] = said
         return current
 
-    def overdue(self, timeout: float, making: Callable[[int], int]) -> PendingTask | None:
-        """A task some worker has been making for `timeout` seconds or more, if any."""
+    def overdue(
+        self, timeout: float, making: Callable[[int], int], starting: Container[int] = ()
+    ) -> PendingTask | None:
+        """A task some worker has been making for `timeout` seconds or more, if any. Workers
+        in `starting` (replacements not yet ready) are not counted: their clock starts with
+        `worker_ready`."""
         if not self._pending:
             return None
         now = self._clock()
         for current in self.current_tasks(making).values():
+            if current.worker_id in starting:
+                continue
             started = max(current.submitted_at, self._free_since[current.worker_id])
             if now - started >= timeout:
                 return current
         return None
+
+    def worker_ready(self, worker_id: int) -> None:
+        """A replacement is ready: the task it is on counts from now."""
+        self._free_since[worker_id] = self._clock()
 
     def timed_out(self, stuck: PendingTask, timeout: float, who: str) -> Outcome:
         """Gives `stuck` up as a TimeoutError at its position; `who` names its worker (the

@@ -203,6 +203,29 @@ def test_a_sample_that_kills_its_actor_is_given_up_after_three_tries(cluster: Cl
         assert [int(b) for b in it] == [4, 5, 6, 7]  # the stream goes on after it
 
 
+@pytest.mark.timeout(120)
+def test_a_stuck_actor_is_stopped_after_timeout_and_the_epoch_goes_on(cluster: Cluster) -> None:
+    spec = LoaderSpec(
+        name="sleepy",
+        dataset="tests.datasets:Sleepy",
+        dataset_kwargs={"n": 10, "bad": 4},
+        batch_size=1,
+        num_workers=2,
+        timeout=2.0,
+        pool="ray",
+        ray_num_cpus=0.25,
+    )
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        assert info.value.position == 4 and info.value.remote_type == "TimeoutError"
+        assert "Ray worker" in str(info.value) and "stopped and replaced" in str(info.value)
+        assert [int(b) for b in it] == list(range(5, 10))  # the others, re-issued, in order
+
+
 @pytest.mark.timeout(60)
 def test_an_unreachable_ray_address_fails_streams_with_a_clear_error() -> None:
     with socket.socket() as s:  # a port nobody listens on

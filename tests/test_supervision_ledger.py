@@ -166,6 +166,20 @@ def test_a_replacement_is_free_for_its_first_task_from_when_it_was_started() -> 
     assert stuck is not None and stuck.task_id == 0
 
 
+def test_a_starting_replacements_tasks_count_from_when_it_is_ready() -> None:
+    # A Ray actor takes seconds to be placed and started: its tasks are not overdue meanwhile.
+    books, clock = ledger()
+    books.add(0, [0], None, 0)
+    clock.now += 5.0
+    assert books.overdue(1.0, nothing, starting={0}) is None
+    books.worker_ready(0)
+    clock.now += 0.9
+    assert books.overdue(1.0, nothing) is None
+    clock.now += 0.1
+    stuck = books.overdue(1.0, nothing)
+    assert stuck is not None and stuck.task_id == 0
+
+
 def test_end_epoch_forgets_the_tasks() -> None:
     books, clock = ledger()
     books.add(0, [0], None, 0)
