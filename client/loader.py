@@ -128,6 +128,7 @@ class RemoteLoader:
         # (load_state_dict; client/state.py), and the one of the epoch being read.
         self._reshard: dict[str, Any] | None = None
         self._iter_reshard: dict[str, Any] | None = None
+        self._reshard_length = 0  # this consumer's share of that epoch (the server's count)
         self._iterator: EpochIterator | None = None
         # A data connection could not be made: later epochs do not try again (a firewall that
         # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
@@ -247,7 +248,13 @@ class RemoteLoader:
         self._epoch = epoch
 
     def __len__(self) -> int:
-        """Batches this consumer receives per epoch (its share, when partitioned)."""
+        """Batches this consumer receives per epoch (its share, when partitioned; of the
+        epoch's rest when it resumes one begun on another world size)."""
+        it = self._iterator
+        if self._reshard is not None or (
+            self._iter_reshard is not None and it is not None and not it.finished
+        ):
+            return self._reshard_length
         if self.sharing == "dynamic":
             raise TypeError(
                 "len() is unknown with sharing='dynamic': how many batches this consumer "
@@ -346,6 +353,18 @@ class RemoteLoader:
                 f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
                 "resuming would not line the batches up"
             )
+        if point.reshard is not None:
+            # The server checks the resume now (a refusal says why here, not at iter()) and
+            # says how many batches this rank's share of the epoch's rest holds, for len().
+            asked = pb.DescribeRequest(
+                loader=self.name,
+                consumer=self._consumer(),
+                epoch=point.epoch,
+                seed=point.seed,
+                reshard=state_module.reshard_message(point.reshard),
+            )
+            info = self._call(self._describe, asked, "resuming", self.connect_timeout)
+            self._reshard_length = int(info.length)
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None

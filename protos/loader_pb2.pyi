@@ -17,12 +17,18 @@ class ListLoadersResponse(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("loader", "consumer")
+    __slots__ = ("loader", "consumer", "epoch", "seed", "reshard")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
     loader: str
     consumer: Consumer
-    def __init__(self, loader: _Optional[str] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ...) -> None: ...
+    epoch: int
+    seed: int
+    reshard: Reshard
+    def __init__(self, loader: _Optional[str] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ...) -> None: ...
 
 class Consumer(_message.Message):
     __slots__ = ("sharing", "job", "rank", "world_size")

@@ -141,11 +141,19 @@ class LoaderService:
         info.sharing.extend(spec.sharing)
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
+        seed = request.seed if request.HasField("seed") else spec.seed
         try:
-            info.length = host.length(membership)
+            reshard = Reshard.of(request.reshard)
+            if reshard is not None and membership.sharing != "partition":
+                raise ReshardError("only partition sharing resumes on another world size")
+            info.length = host.length(membership, reshard, seed, request.epoch)
             info.has_length = True
         except TypeError:
             pass  # unsized IterableDataset, or dynamic sharing: the length is unknown
+        except ReshardError as exc:
+            raise RequestInvalid(
+                f"cannot resume epoch {request.epoch} on world_size {membership.world_size}: {exc}"
+            ) from exc
         if spec.batch_size is not None and spec.batch_sampler is None:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):

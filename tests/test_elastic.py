@@ -57,7 +57,10 @@ def second_life(
     for rank in range(world):
         with RemoteLoader(address, name, rank=rank, world_size=world, job="j") as loader:
             loader.load_state_dict(state)
+            length = len(loader)
             shares.append(list(loader))
+            if state["world_size"] != world:  # DDP sizes schedules by it: this epoch's share
+                assert len(shares[-1]) == length
             states.append(loader.state_dict())
     return shares, states
 
@@ -172,10 +175,11 @@ def test_per_batch_seeding_keeps_each_batch_s_augmentation(serve_loaders: ServeL
 def test_what_cannot_be_honoured_exactly_is_refused(serve_loaders: ServeLoaders) -> None:
     served = serve_loaders(squares("sq"), LoaderSpec(name="it", dataset="tests.datasets:Sharded"))
     _, states = first_life(served.address, "sq", 3, [1, 1, 1])
-    with RemoteLoader(served.address, "sq", rank=0, world_size=2, job="j") as loader:
+    with (
+        RemoteLoader(served.address, "sq", rank=0, world_size=2, job="j") as loader,
+        pytest.raises(RequestError, match=r"consumed 11 batches, but its share .* holds 10"),
+    ):
         loader.load_state_dict({**states[0], "batches": 11})  # past a 10-batch share
-        with pytest.raises(RequestError, match=r"consumed 11 batches, but its share .* holds 10"):
-            list(loader)
     with (
         RemoteLoader(served.address, "sq", sharing="dynamic", job="j") as loader,
         pytest.raises(ValueError, match="another consumer"),
@@ -189,8 +193,8 @@ def test_what_cannot_be_honoured_exactly_is_refused(serve_loaders: ServeLoaders)
         loader.load_state_dict(broadcast)
     with RemoteLoader(served.address, "it", rank=0, world_size=1, job="j") as loader:
         state = {**loader.state_dict(), "world_size": 2, "batches": 1, "rank": 0}
-        loader.load_state_dict(state)
         with pytest.raises(RequestError, match=r"IterableDataset.*cannot resume on another"):
-            list(loader)
+            loader.load_state_dict(state)
+        assert loader.epoch == 0  # a refused state changes nothing
     with pytest.raises(ValueError, match="not of one job in one epoch: they differ in epoch"):
         RemoteLoader.job_state([states[0], {**states[1], "epoch": EPOCH + 1}])
