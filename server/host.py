@@ -31,7 +31,7 @@ from remote_loader.server.sampling import (
     plan_epoch,
 )
 from remote_loader.server.sharing import Runs
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.spec import ConfigError, LoaderSpec
 from remote_loader.server.worker import (
     DEFAULT_MAX_BATCH_BYTES,
     Fetcher,
@@ -142,6 +142,11 @@ class LoaderHost:
         self.dataset = build_dataset(spec)
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
+        if spec.autotune and self.batching.is_iterable:
+            raise ConfigError(
+                f'loader {spec.name!r}: num_workers = "auto" needs a map-style dataset: an '
+                "IterableDataset shards itself by the worker count, which autotuning changes"
+            )
         self._ctx = ctx
         self._cond = threading.Condition()
         self._ray_address = ray_address

@@ -92,6 +92,19 @@ class LoaderMetrics:
             ("loader", "backend"),
             registry=None,
         )
+        self._workers = Gauge(
+            "remote_loader_workers",
+            'Workers of a loader whose num_workers = "auto", as the autotuner last set them.',
+            ("loader",),
+            registry=None,
+        )
+        self._worker_changes = Counter(
+            "remote_loader_worker_changes",
+            'Workers added or removed by num_workers = "auto", by what streams waited on: '
+            '"production" (a worker added) or "consumers" (one removed).',
+            ("loader", "reason"),
+            registry=None,
+        )
         self._pool_workers = Gauge(
             "remote_loader_pool_workers",
             "Workers (processes or Ray actors) of the loader's pool when it last started.",
@@ -155,12 +168,20 @@ class LoaderMetrics:
             self._restarts,
             self._pool_nodes,
             self._pool_workers,
+            self._workers,
+            self._worker_changes,
             self._queue_wait,
             self._latency,
             self._make,
             self._stream_wait,
             self._send,
         )
+
+    def workers_changed(self, workers: int, reason: str) -> None:
+        """num_workers = "auto" resized the pool to `workers` because streams waited on
+        `reason` ("production" or "consumers")."""
+        self._workers.labels(self.loader).set(workers)
+        self._worker_changes.labels(self.loader, reason).inc()
 
     def pool_started(self, backend: str, nodes: int, workers: int) -> None:
         """A pool of `backend` started with `workers` workers on `nodes` hosts."""

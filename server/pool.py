@@ -20,8 +20,10 @@ import os
 import time
 from typing import Any
 
+from remote_loader.server.autotune import WorkerTuner
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Outcome, WorkerInitError
 from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.pool_resize import ResizablePool
 from remote_loader.server.sampling import Batching
 from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
@@ -113,7 +115,7 @@ WORKER_JOIN_TIMEOUT = 5.0
 #      ledger re-issues, in order, to the new process.
 
 
-class WorkerPool:
+class WorkerPool(ResizablePool):
     """`num_workers` worker processes for one loader spec; runs one epoch at a time.
 
     See NOTE [ Pool Protocol ] and NOTE [ Replacing a Worker Process ]. Only the thread
@@ -165,6 +167,10 @@ class WorkerPool:
         self._active: list[bool] = []
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
+        # num_workers = "auto" (NOTE [ Worker autotuning ] in server/autotune.py); workers
+        # removed by it, joined at shutdown.
+        self._tuner = WorkerTuner(spec.max_workers) if spec.autotune and spec.max_workers else None
+        self._retired: list[multiprocessing.process.BaseProcess] = []
         # Tasks given up (timed out, or out of attempts) and not yet returned by poll().
         self._failed: collections.deque[Outcome] = collections.deque()
 
@@ -284,6 +290,8 @@ class WorkerPool:
         """
         if self._failed:
             return self._failed.popleft()
+        if self._tuner is not None:
+            self._tune(self._tuner)
         if not self._ledger:
             return None
         deadline = time.monotonic() + timeout
@@ -339,6 +347,8 @@ class WorkerPool:
             raise WorkerInitError(result.error)
         now = self._ledger.complete(result.task_id, result.worker_id)
         stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
+        if self._tuner is not None:
+            self._tuner.made(result.finished_at - result.started_at)
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
             self._active[result.worker_id] = False
@@ -456,6 +466,8 @@ class WorkerPool:
         for q in self._index_queues:
             with contextlib.suppress(OSError, ValueError):  # already closed
                 q.put(None)
+        self._workers += self._retired  # removed by autotuning: long gone, or going
+        self._retired = []
         _join_all(self._workers, WORKER_JOIN_TIMEOUT)
         late = [w for w in self._workers if w.is_alive()]
         if late:

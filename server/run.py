@@ -191,6 +191,7 @@ class Run:
         # task id -> (lane, lane-local id, when it was submitted)
         self._tasks: dict[int, tuple[Lane, int, float]] = {}
         self._turn = 0  # the lane whose turn it is to submit next
+        self._window = MIN_LANE_WINDOW  # a queue lane's, from the engine's max_outstanding
         # The lanes and who reads what; a queue lane's window is set again once the engine
         # (and its max_outstanding) is known.
         self.policy: Policy = policy_for(key.sharing)(
@@ -262,7 +263,8 @@ class Run:
             # closes, so the last consumer's detach (on gRPC's callback thread) is not held.
             with self._lease(lambda: self.closing) as engine:
                 with self.cond:
-                    self.policy.set_window(max(MIN_LANE_WINDOW, engine.max_outstanding))
+                    self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
+                    self.policy.set_window(self._window)
                 engine.begin_epoch(self.plan.base_seed)
                 try:
                     while self._step(engine):
@@ -297,6 +299,10 @@ class Run:
         with self.cond:
             if self.closing:
                 return False
+            window = max(MIN_LANE_WINDOW, engine.max_outstanding)
+            if window != self._window:  # the pool was resized (num_workers = "auto")
+                self._window = window
+                self.policy.set_window(window)
             self._submit(engine)
             if engine.outstanding == 0:
                 if self.policy.complete():

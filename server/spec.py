@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +31,8 @@ SEEDING_MODES = ("worker", "per_batch")
 # Where a loader's workers run (server/backends.py): "local", processes of this server; "ray",
 # actors on a Ray cluster (the `ray` extra).
 POOL_BACKENDS = ("local", "ray")
+# num_workers = AUTO: the server sizes the pool itself (LoaderSpec.autotune).
+AUTO = "auto"
 
 
 class ConfigError(ValueError):
@@ -93,9 +96,17 @@ class LoaderSpec:
     # an actor asking `ray_num_cpus` CPUs of the cluster at the server's ray_address.
     pool: str = "local"
     ray_num_cpus: float = 1.0
+    # num_workers = "auto" (AUTO; given as the string, in a config, a flag or here) sets
+    # `autotune`: the pool starts with one worker and the server adds workers, up to
+    # `max_workers` (default: this host's CPUs), while they are all busy and the host has idle
+    # CPU, and removes them while they idle (server/autotune.py). It needs seeding =
+    # "per_batch" (a batch must not depend on which worker made it) and a map-style dataset.
+    autotune: bool = False
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
+        self._check_auto(where)
         modes = tuple(self.sharing)
         unknown = [m for m in modes if m not in SHARING_MODES]
         if not modes or unknown:
@@ -140,6 +151,29 @@ class LoaderSpec:
             if value is None:  # as detach_timeout, which all four were once
                 object.__setattr__(self, key, self.detach_timeout)
 
+    def _check_auto(self, where: str) -> None:
+        if self.num_workers == AUTO:  # type: ignore[comparison-overlap]
+            object.__setattr__(self, "num_workers", 1)
+            object.__setattr__(self, "autotune", True)
+        if not self.autotune:
+            if self.max_workers is not None:
+                raise ConfigError(f'{where}: max_workers goes with num_workers = "auto"')
+            return
+        if self.seeding != "per_batch":
+            raise ConfigError(
+                f'{where}: num_workers = "auto" changes the worker count mid-epoch, so a batch '
+                'must not depend on which worker made it: set seeding = "per_batch"'
+            )
+        if self.pool != "local":
+            raise ConfigError(
+                f'{where}: num_workers = "auto" sizes local worker pools only (pool = "local")'
+            )
+        if self.max_workers is None:
+            object.__setattr__(self, "max_workers", os.cpu_count() or 1)
+        assert self.max_workers is not None
+        if self.max_workers < 1:
+            raise ConfigError(f"{where}: max_workers must be at least 1, got {self.max_workers}")
+
     def to_json(self) -> dict[str, Any]:
         """The spec as plain JSON values (batch_size None stays None)."""
         return dataclasses.asdict(self)
@@ -165,6 +199,8 @@ class LoaderSpec:
             *SHARING_TIMEOUTS,
             "pool",
             "ray_num_cpus",
+            "autotune",
+            "max_workers",
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
@@ -234,6 +270,16 @@ def _check_type(name: str, key: str, value: Any) -> Any:
             raise ConfigError(f"{where} must be one of {', '.join(modes)}, got {value!r}")
         return value
     if key in ("shuffle", "drop_last", "persistent_workers", "in_order", "partition_drop_last"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key == "num_workers" and value == AUTO:
+        return value
+    if key == "max_workers":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if key == "autotune":
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
@@ -343,7 +389,13 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sampler-kwargs", type=_json_table, default={}, metavar="JSON")
     g.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--collate-fn", metavar="module:callable")
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument(
+        "--num-workers",
+        type=lambda text: text if text == AUTO else int(text),
+        default=0,
+        metavar="N|auto",
+    )
+    g.add_argument("--max-workers", type=int, default=None, metavar="N")
     g.add_argument("--prefetch-factor", type=int, default=None)
     g.add_argument("--persistent-workers", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--worker-init-fn", metavar="module:callable")
@@ -377,5 +429,5 @@ def spec_from_args(args: argparse.Namespace) -> LoaderSpec:
     """The spec defined by add_spec_arguments' flags."""
     if not args.dataset:
         raise ConfigError("no loader given: pass --config FILE, or --dataset module:callable")
-    values = {key: getattr(args, key) for key in _FIELDS}
+    values = {key: getattr(args, key) for key in _FIELDS if hasattr(args, key)}
     return LoaderSpec(**values)

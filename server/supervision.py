@@ -99,6 +99,11 @@ class TaskLedger:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def resize(self, num_workers: int) -> None:
+        """The pool grew or shrank (num_workers = "auto"); a worker that leaves holds nothing."""
+        self._free_since = (self._free_since + [self._clock()] * num_workers)[:num_workers]
+        self.num_workers = num_workers
+
     def begin_epoch(self) -> None:
         self._pending.clear()
         self._deaths_without_progress = 0

@@ -1,0 +1,130 @@
+"""num_workers = "auto": the tuner's decisions on their own (a fake clock and host), and a real
+pool growing while its workers cannot keep up and shrinking while its consumer is slow, its
+batches the same as a fixed pool's (NOTE [ Worker autotuning ] in server/autotune.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from remote_loader.client import RemoteLoader
+from remote_loader.server.autotune import Decision, WorkerTuner
+from remote_loader.server.pool import WorkerPool
+from remote_loader.server.spec import ConfigError, LoaderSpec
+from tests.conftest import ServeLoaders, wait_until
+
+
+class Host:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.idle: float | None = 1.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def idle_cores(self) -> float | None:
+        return self.idle
+
+
+def tuner(max_workers: int = 4) -> tuple[WorkerTuner, Host]:
+    host = Host()
+    return WorkerTuner(max_workers, clock=host.clock, idle_cores=host.idle_cores), host
+
+
+def interval(t: WorkerTuner, host: Host, workers: int, busy: float) -> Decision | None:
+    """One interval in which `workers` workers were `busy` (a fraction) of the time."""
+    host.now += t.interval
+    t.made(busy * workers * t.interval)
+    return t.decide(workers)
+
+
+def test_busy_workers_on_a_host_with_idle_cpu_get_one_more_then_a_pause() -> None:
+    t, host = tuner()
+    assert t.decide(1) is None  # not an interval yet
+    decision = interval(t, host, 1, 0.95)
+    assert decision is not None and decision.delta == +1 and decision.reason == "production"
+    assert interval(t, host, 2, 0.95) is None  # the interval after a change: measured only
+    assert interval(t, host, 2, 0.95) == Decision(
+        +1, "production", "workers 95% busy, 1.0 cores idle on the host"
+    )
+
+
+def test_no_worker_is_added_on_a_saturated_host_or_past_max_workers() -> None:
+    t, host = tuner(max_workers=2)
+    host.idle = 0.2
+    assert interval(t, host, 1, 1.0) is None  # busy, but no CPU to give a new worker
+    host.idle = 1.5
+    assert interval(t, host, 2, 1.0) is None  # at max_workers
+
+
+def test_idle_workers_lose_one_down_to_one() -> None:
+    t, host = tuner()
+    decision = interval(t, host, 3, 0.3)
+    assert decision is not None and decision.delta == -1 and decision.reason == "consumers"
+    interval(t, host, 2, 0.3)  # pause
+    assert interval(t, host, 1, 0.0) is None  # never below one
+    assert interval(t, host, 2, 0.7) is None  # between the thresholds: as it is
+
+
+def test_auto_needs_per_batch_seeding_and_a_local_map_style_pool() -> None:
+    base: dict[str, Any] = {"name": "a", "dataset": "tests.datasets:Squares", "num_workers": "auto"}
+    with pytest.raises(ConfigError, match='set seeding = "per_batch"'):
+        LoaderSpec(**base)
+    with pytest.raises(ConfigError, match="local worker pools only"):
+        LoaderSpec(**base, seeding="per_batch", pool="ray", ray_num_cpus=1)
+    with pytest.raises(ConfigError, match='max_workers goes with num_workers = "auto"'):
+        LoaderSpec(name="a", dataset="tests.datasets:Squares", num_workers=2, max_workers=3)
+    spec = LoaderSpec(**base, seeding="per_batch", max_workers=3)
+    assert (spec.num_workers, spec.autotune, spec.max_workers) == (1, True, 3)
+
+
+def auto_spec(name: str, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name=name,
+        dataset="tests.datasets:Slow",  # sleeps: busy workers, idle CPU
+        dataset_kwargs={"n": 400, "seconds": 0.02},
+        batch_size=2,
+        shuffle=True,
+        seeding="per_batch",
+        persistent_workers=True,
+        **options,
+    )
+
+
+def pool_of(served: Any, name: str) -> WorkerPool:
+    pool = served.hosts[name]._persistent
+    assert isinstance(pool, WorkerPool)
+    return pool
+
+
+@pytest.mark.timeout(120)
+def test_the_pool_grows_while_production_lags_and_shrinks_while_the_consumer_does(
+    serve_loaders: ServeLoaders,
+) -> None:
+    served = serve_loaders(
+        auto_spec("auto", num_workers=1, autotune=True, max_workers=3),  # = num_workers="auto"
+        auto_spec("fixed", num_workers=2),
+    )
+    pool = pool_of(served, "auto")
+    assert pool.num_workers == 1
+    with RemoteLoader(served.address, "fixed") as loader:
+        expected = [b.tolist() for b in loader]
+    with RemoteLoader(served.address, "auto") as loader:
+        got = [b.tolist() for b in loader]  # reading as fast as it can
+        grown = pool.num_workers
+        assert got == expected  # the same batches, whatever the count did meanwhile
+        assert grown == 3, "the workers could not keep up: the pool should have grown"
+        slow = []
+        loader.set_epoch(0)  # the same epoch again, read slowly
+        for batch in loader:  # now a consumer slower than one worker
+            slow.append(batch.tolist())
+            time.sleep(0.05)
+            if pool.num_workers == 1 and len(slow) > 20:
+                break
+        assert wait_until(lambda: pool.num_workers == 1, 1), pool.num_workers
+        assert slow == expected[: len(slow)]
+    text = served.hosts["auto"].metrics
+    assert text._worker_changes.labels("auto", "production")._value.get() >= 2
+    assert text._worker_changes.labels("auto", "consumers")._value.get() >= 2
