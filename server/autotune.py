@@ -69,11 +69,16 @@ class WorkerTuner:
         self,
         max_workers: int,
         *,
+        max_pool_bytes: int | None = None,
+        prefetch: int = 2,
         interval: float = TUNE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         idle_cores: Callable[[], float | None] | None = None,
     ) -> None:
         self.max_workers = max_workers
+        self.max_pool_bytes = max_pool_bytes
+        self.prefetch = prefetch
+        self.largest_batch = 0  # bytes: what one more worker's tasks in flight may hold each
         self.interval = interval
         self._clock = clock
         self._idle_cores = idle_cores if idle_cores is not None else host_idle_cores()
@@ -82,9 +87,10 @@ class WorkerTuner:
         self._settling = False  # the interval after a change: measured, not acted on
         self._idle_cores()  # starts the host's measure
 
-    def made(self, seconds: float) -> None:
-        """A worker spent `seconds` making a batch."""
+    def made(self, seconds: float, nbytes: int = 0) -> None:
+        """A worker spent `seconds` making a batch of `nbytes` encoded bytes."""
         self._busy += max(0.0, seconds)
+        self.largest_batch = max(self.largest_batch, nbytes)
 
     def decide(self, workers: int) -> Decision | None:
         """Called often; answers at most once per interval."""
@@ -100,7 +106,10 @@ class WorkerTuner:
             return None
         decision = None
         if busy > ADD_ABOVE and workers < self.max_workers:
-            if idle is not None and idle >= MIN_IDLE_CORES:
+            in_flight = (workers + 1) * self.prefetch * self.largest_batch
+            if self.max_pool_bytes is not None and in_flight > self.max_pool_bytes:
+                pass  # one more worker's batches would not fit in max_pool_bytes
+            elif idle is not None and idle >= MIN_IDLE_CORES:
                 decision = Decision(
                     +1,
                     "production",

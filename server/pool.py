@@ -20,7 +20,6 @@ import os
 import time
 from typing import Any
 
-from remote_loader.server.autotune import WorkerTuner
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Outcome, WorkerInitError
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool_resize import ResizablePool
@@ -169,7 +168,7 @@ class WorkerPool(ResizablePool):
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
         # num_workers = "auto" (NOTE [ Worker autotuning ] in server/autotune.py); workers
         # removed by it, joined at shutdown.
-        self._tuner = WorkerTuner(spec.max_workers) if spec.autotune and spec.max_workers else None
+        self._tuner = self._new_tuner(spec)
         self._retired: list[multiprocessing.process.BaseProcess] = []
         # Tasks given up (timed out, or out of attempts) and not yet returned by poll().
         self._failed: collections.deque[Outcome] = collections.deque()
@@ -348,7 +347,7 @@ class WorkerPool(ResizablePool):
         now = self._ledger.complete(result.task_id, result.worker_id)
         stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
         if self._tuner is not None:
-            self._tuner.made(result.finished_at - result.started_at)
+            self._tuner.made(result.finished_at - result.started_at, result.total_nbytes)
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
             self._active[result.worker_id] = False

@@ -45,6 +45,14 @@ class ResizablePool:
     _key: int
     _base_seed: int
 
+    def _new_tuner(self, spec: LoaderSpec) -> WorkerTuner | None:
+        """The pool's tuner with num_workers = "auto", else None."""
+        if not spec.autotune or spec.max_workers is None:
+            return None
+        return WorkerTuner(
+            spec.max_workers, max_pool_bytes=spec.max_pool_bytes, prefetch=self.prefetch
+        )
+
     def _spawn(
         self, worker_id: int
     ) -> tuple[

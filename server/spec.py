@@ -103,6 +103,10 @@ class LoaderSpec:
     # "per_batch" (a batch must not depend on which worker made it) and a map-style dataset.
     autotune: bool = False
     max_workers: int | None = None
+    # With autotune: no worker is added if the pool's batches in flight (prefetch_factor per
+    # worker, each as big as the largest batch seen) would then pass this many bytes of
+    # shared memory. None: no bound but max_workers (and max_batch_bytes per batch).
+    max_pool_bytes: int | None = None
 
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
@@ -156,8 +160,9 @@ class LoaderSpec:
             object.__setattr__(self, "num_workers", 1)
             object.__setattr__(self, "autotune", True)
         if not self.autotune:
-            if self.max_workers is not None:
-                raise ConfigError(f'{where}: max_workers goes with num_workers = "auto"')
+            for key in ("max_workers", "max_pool_bytes"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f'{where}: {key} goes with num_workers = "auto"')
             return
         if self.seeding != "per_batch":
             raise ConfigError(
@@ -173,6 +178,10 @@ class LoaderSpec:
         assert self.max_workers is not None
         if self.max_workers < 1:
             raise ConfigError(f"{where}: max_workers must be at least 1, got {self.max_workers}")
+        if self.max_pool_bytes is not None and self.max_pool_bytes < 1:
+            raise ConfigError(
+                f"{where}: max_pool_bytes must be at least 1 byte, got {self.max_pool_bytes}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The spec as plain JSON values (batch_size None stays None)."""
@@ -201,6 +210,7 @@ class LoaderSpec:
             "ray_num_cpus",
             "autotune",
             "max_workers",
+            "max_pool_bytes",
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
@@ -275,7 +285,7 @@ def _check_type(name: str, key: str, value: Any) -> Any:
         return value
     if key == "num_workers" and value == AUTO:
         return value
-    if key == "max_workers":
+    if key in ("max_workers", "max_pool_bytes"):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
@@ -396,6 +406,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N|auto",
     )
     g.add_argument("--max-workers", type=int, default=None, metavar="N")
+    g.add_argument("--max-pool-bytes", type=int, default=None, metavar="BYTES")
     g.add_argument("--prefetch-factor", type=int, default=None)
     g.add_argument("--persistent-workers", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--worker-init-fn", metavar="module:callable")

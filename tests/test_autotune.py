@@ -59,6 +59,18 @@ def test_no_worker_is_added_on_a_saturated_host_or_past_max_workers() -> None:
     assert interval(t, host, 2, 1.0) is None  # at max_workers
 
 
+def test_no_worker_is_added_past_max_pool_bytes() -> None:
+    host = Host()
+    t = WorkerTuner(
+        4, max_pool_bytes=3000, prefetch=2, clock=host.clock, idle_cores=host.idle_cores
+    )
+    t.made(0.0, nbytes=1000)  # 2 workers x 2 in flight x 1000 bytes would pass 3000
+    assert interval(t, host, 1, 1.0) is None
+    t.max_pool_bytes = 4000
+    decision = interval(t, host, 1, 1.0)
+    assert decision is not None and decision.delta == +1
+
+
 def test_idle_workers_lose_one_down_to_one() -> None:
     t, host = tuner()
     decision = interval(t, host, 3, 0.3)
@@ -76,6 +88,8 @@ def test_auto_needs_per_batch_seeding_and_a_local_map_style_pool() -> None:
         LoaderSpec(**base, seeding="per_batch", pool="ray", ray_num_cpus=1)
     with pytest.raises(ConfigError, match='max_workers goes with num_workers = "auto"'):
         LoaderSpec(name="a", dataset="tests.datasets:Squares", num_workers=2, max_workers=3)
+    with pytest.raises(ConfigError, match="max_pool_bytes must be at least 1 byte"):
+        LoaderSpec(**base, seeding="per_batch", max_pool_bytes=0)
     spec = LoaderSpec(**base, seeding="per_batch", max_workers=3)
     assert (spec.num_workers, spec.autotune, spec.max_workers) == (1, True, 3)
 
