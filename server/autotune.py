@@ -18,6 +18,10 @@ Batches stay identical whatever the count because autotuning requires seeding = 
 (each batch seeded from its index, whoever makes it) and a map-style dataset (an
 IterableDataset shards by worker count). A worker that joins sees get_worker_info() with the
 count of the moment; workers already running keep the count they started with.
+
+Applied by the local pool (server/pool_resize.py: worker processes) and the Ray pool
+(server/ray_pool.py: actors, through the bridge's Resize); only the last worker is removed,
+once it holds no task, so worker ids stay 0..n-1.
 """
 
 from __future__ import annotations

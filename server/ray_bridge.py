@@ -75,6 +75,14 @@ class Kill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Resize:
+    """num_workers = "auto": make the pool `workers` actors (new ones begin the current epoch;
+    the server removes only a last actor that holds no task)."""
+
+    workers: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Started:
     nodes: int
     actors: int
@@ -167,11 +175,24 @@ class _Bridge:
         # also guards the slots, released there and taken here.
         self.lock = threading.Lock()
 
-    def new_actor(self, worker_id: int) -> Any:
+    def new_actor(self, worker_id: int, num_workers: int | None = None) -> Any:
         spec = self.cfg.spec
+        n = num_workers if num_workers is not None else spec.num_workers
         return self.actor_class.remote(
-            spec, self.cfg.batching, worker_id, spec.num_workers, self.cfg.max_batch_bytes
+            spec, self.cfg.batching, worker_id, n, self.cfg.max_batch_bytes
         )
+
+    def resize(self, workers: int) -> None:
+        with self.lock:
+            while len(self.actors) > workers:
+                self.ray.kill(self.actors.pop(), no_restart=True)
+                self.generations.pop()
+            while len(self.actors) < workers:
+                actor = self.new_actor(len(self.actors), workers)
+                if self.epoch is not None:
+                    actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+                self.actors.append(actor)
+                self.generations.append(0)
 
     def start(self) -> Started:
         n = self.cfg.spec.num_workers
@@ -203,9 +224,13 @@ class _Bridge:
                 lambda f: self.done.put((worker_id, generation, _STARTED, f))
             )
 
+    def current(self, worker_id: int, generation: int) -> bool:
+        """The call was made on the actor that now holds this worker id."""
+        return worker_id < len(self.generations) and generation == self.generations[worker_id]
+
     def reply(self, worker_id: int, generation: int, task: Task, future: Future[Any]) -> Any:
         """The message for one finished call; None when there is nothing to say."""
-        if generation != self.generations[worker_id]:
+        if not self.current(worker_id, generation):
             return None  # an actor already replaced: its tasks were re-issued
         base = functools.partial(Result, worker_id, task.epoch_key, task.task_id)
         try:
@@ -258,6 +283,8 @@ class _Bridge:
                         actor.begin_epoch.remote(command.epoch_key, command.base_seed)
             elif isinstance(command, Send):
                 self.submit(command.worker_id, command.task)
+            elif isinstance(command, Resize):
+                self.resize(command.workers)
             elif isinstance(command, Kill):
                 self.ray.kill(self.actors[command.worker_id], no_restart=True)
 
@@ -268,7 +295,7 @@ class _Bridge:
             if task is None:
                 return
             if isinstance(task, str):  # _STARTED
-                if generation == self.generations[worker_id] and future.exception() is None:
+                if self.current(worker_id, generation) and future.exception() is None:
                     self.cfg.results.send(Ready(worker_id))
                 continue  # a replacement that failed to start shows in its first task
             message = self.reply(worker_id, generation, task, future)

@@ -33,6 +33,7 @@ import multiprocessing.connection
 import time
 from typing import Any
 
+from remote_loader.server.autotune import WorkerTuner
 from remote_loader.server.engine import (
     POLL_INTERVAL,
     Delivery,
@@ -49,6 +50,7 @@ from remote_loader.server.ray_bridge import (
     Kill,
     Lost,
     Ready,
+    Resize,
     Send,
     Started,
     bridge_main,
@@ -90,7 +92,14 @@ class RayPool:
         self.address = address
         self.num_workers = spec.num_workers
         prefetch = spec.prefetch_factor if spec.prefetch_factor is not None else 2
+        self.prefetch = prefetch
         self.max_outstanding = max(1, prefetch * self.num_workers)
+        # num_workers = "auto" (NOTE [ Worker autotuning ]): actors added and removed likewise.
+        self._tuner = (
+            WorkerTuner(spec.max_workers, max_pool_bytes=spec.max_pool_bytes, prefetch=prefetch)
+            if spec.autotune and spec.max_workers is not None
+            else None
+        )
         self.max_batch_bytes = max_batch_bytes
         self.broken = False
         self.restarts = 0
@@ -221,6 +230,8 @@ class RayPool:
         )
 
     def poll(self, timeout: float = POLL_INTERVAL) -> Outcome | None:
+        if self._tuner is not None:
+            self._tune(self._tuner)
         if not self._ledger:
             return None
         assert self._bridge is not None and self._results is not None
@@ -271,6 +282,8 @@ class RayPool:
         now = self._ledger.complete(result.task_id, result.worker_id)
         # Actors' clocks are their nodes': only the time the batch took is comparable here.
         made_in = result.finished_at - result.started_at
+        if self._tuner is not None:
+            self._tuner.made(made_in, result.total_nbytes)
         stamps = (pending.submitted_at, now - made_in, now, now)
         if result.exhausted:
             self._active[result.worker_id] = False
@@ -290,6 +303,42 @@ class RayPool:
                 release=functools.partial(self._slots.release, 0, result.slot),
             ),
         )
+
+    def _tune(self, tuner: WorkerTuner) -> None:
+        """As the local pool's (server/pool_resize.py), with actors: one added at once, or the
+        last drained and removed once it holds no task."""
+        last = self.num_workers - 1
+        if not self._active:
+            return  # between epochs
+        if not self._active[last] and not self._ledger.held_by(last) and last > 0:
+            self._resize(self.num_workers - 1)
+        decision = tuner.decide(self.num_workers)
+        if decision is None or not all(self._active):
+            return
+        if decision.delta > 0:
+            self._resize(self.num_workers + 1)
+            target = self.num_workers
+        else:
+            self._active[last] = False  # no new tasks: removed once it holds none
+            self.max_outstanding = max(1, self.prefetch * last)
+            target = last
+        log.info(
+            "loader %r: %s a Ray worker (streams wait on %s: %s); now %d",
+            self.spec.name,
+            "adding" if decision.delta > 0 else "removing",
+            decision.reason,
+            decision.detail,
+            target,
+        )
+        self._metrics.workers_changed(target, decision.reason)
+
+    def _resize(self, workers: int) -> None:
+        self._command(Resize(workers))
+        self.num_workers = workers
+        self.max_outstanding = max(1, self.prefetch * workers)
+        self._ledger.resize(workers)
+        self._active = [True] * workers
+        self._starting = {w for w in self._starting if w < workers}
 
     def _lost(self, lost: Lost) -> Outcome | None:
         """An actor died and the bridge replaced it: re-issue what it held (its oldest task is

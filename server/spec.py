@@ -169,10 +169,6 @@ class LoaderSpec:
                 f'{where}: num_workers = "auto" changes the worker count mid-epoch, so a batch '
                 'must not depend on which worker made it: set seeding = "per_batch"'
             )
-        if self.pool != "local":
-            raise ConfigError(
-                f'{where}: num_workers = "auto" sizes local worker pools only (pool = "local")'
-            )
         if self.max_workers is None:
             object.__setattr__(self, "max_workers", os.cpu_count() or 1)
         assert self.max_workers is not None

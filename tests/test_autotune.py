@@ -84,8 +84,6 @@ def test_auto_needs_per_batch_seeding_and_a_local_map_style_pool() -> None:
     base: dict[str, Any] = {"name": "a", "dataset": "tests.datasets:Squares", "num_workers": "auto"}
     with pytest.raises(ConfigError, match='set seeding = "per_batch"'):
         LoaderSpec(**base)
-    with pytest.raises(ConfigError, match="local worker pools only"):
-        LoaderSpec(**base, seeding="per_batch", pool="ray", ray_num_cpus=1)
     with pytest.raises(ConfigError, match='max_workers goes with num_workers = "auto"'):
         LoaderSpec(name="a", dataset="tests.datasets:Squares", num_workers=2, max_workers=3)
     with pytest.raises(ConfigError, match="max_pool_bytes must be at least 1 byte"):

@@ -204,6 +204,39 @@ def test_a_sample_that_kills_its_actor_is_given_up_after_three_tries(cluster: Cl
 
 
 @pytest.mark.timeout(120)
+def test_num_workers_auto_adds_actors_while_they_cannot_keep_up(cluster: Cluster) -> None:
+    options: dict[str, Any] = {
+        "dataset": "tests.datasets:Slow",  # sleeps: busy workers, idle CPU
+        "dataset_kwargs": {"n": 240, "seconds": 0.02},
+        "batch_size": 2,
+        "shuffle": True,
+        "seeding": "per_batch",
+        "persistent_workers": True,
+    }
+    auto = LoaderSpec(
+        name="auto",
+        num_workers=1,
+        autotune=True,
+        max_workers=2,
+        pool="ray",
+        ray_num_cpus=0.25,
+        **options,
+    )
+    fixed = LoaderSpec(name="fixed", num_workers=2, **options)
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, [auto, fixed]) as server:
+        pool = server.hosts["auto"]._persistent
+        assert pool is not None and pool.describe()["workers"] == 1
+        with RemoteLoader(server.address, "auto") as loader:
+            got = [b.tolist() for b in loader]
+        with RemoteLoader(server.address, "fixed") as loader:
+            assert got == [b.tolist() for b in loader]  # the same batches, whatever the count
+        assert pool.describe()["workers"] == 2
+        changes = server.hosts["auto"].metrics._worker_changes
+        assert changes.labels("auto", "production")._value.get() >= 1
+
+
+@pytest.mark.timeout(120)
 def test_a_stuck_actor_is_stopped_after_timeout_and_the_epoch_goes_on(cluster: Cluster) -> None:
     spec = LoaderSpec(
         name="sleepy",
