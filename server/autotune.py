@@ -27,22 +27,61 @@ once it holds no task, so worker ids stay 0..n-1.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
+
+from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.spec import LoaderSpec
+
+log = logging.getLogger(__name__)
 
 TUNE_INTERVAL = 1.0
 ADD_ABOVE = 0.85
 REMOVE_BELOW = 0.5
 # Idle CPU (in cores) the host must have for a worker to be added.
 MIN_IDLE_CORES = 0.5
+# prefetch_factor = "auto": between torch's default and this.
+MIN_PREFETCH, MAX_PREFETCH = 2, 8
+# Fraction of polls at the pool's cap (prefetch_factor * num_workers tasks out) above which
+# idle workers mean the cap, not the work, held production back.
+CAPPED_ABOVE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    delta: int  # +1: add a worker, -1: remove one
+    delta: int  # +1 or -1
     reason: str  # "production" or "consumers": what the streams wait on
     detail: str  # for the log line
+    setting: str = "num_workers"  # or "prefetch_factor"
+
+
+def new_tuner(spec: LoaderSpec, prefetch: int) -> WorkerTuner | None:
+    """The tuner of a pool whose spec says num_workers or prefetch_factor = "auto"."""
+    if not (spec.autotune or spec.autotune_prefetch):
+        return None
+    return WorkerTuner(
+        spec.max_workers if spec.max_workers is not None else spec.num_workers,
+        max_pool_bytes=spec.max_pool_bytes,
+        prefetch=prefetch,
+        workers=spec.autotune,
+        prefetch_factor=spec.autotune_prefetch,
+    )
+
+
+def log_decision(loader: str, metrics: LoaderMetrics, decision: Decision, value: int) -> None:
+    """Logs a decision the pool has applied (`value`: the setting now) and counts it."""
+    log.info(
+        "loader %r: %s %s to %d (streams wait on %s: %s)",
+        loader,
+        "raising" if decision.delta > 0 else "lowering",
+        decision.setting,
+        value,
+        decision.reason,
+        decision.detail,
+    )
+    metrics.autotuned(decision.setting, value, decision.reason)
 
 
 def host_idle_cores() -> Callable[[], float | None]:
@@ -75,13 +114,18 @@ class WorkerTuner:
         *,
         max_pool_bytes: int | None = None,
         prefetch: int = 2,
+        workers: bool = True,
+        prefetch_factor: bool = False,
         interval: float = TUNE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         idle_cores: Callable[[], float | None] | None = None,
     ) -> None:
         self.max_workers = max_workers
         self.max_pool_bytes = max_pool_bytes
-        self.prefetch = prefetch
+        self.prefetch = prefetch  # the pool keeps it current
+        self.tunes_workers = workers  # num_workers = "auto"
+        self.tunes_prefetch = prefetch_factor  # prefetch_factor = "auto"
+        self._polls = self._capped = 0
         self.largest_batch = 0  # bytes: what one more worker's tasks in flight may hold each
         self.interval = interval
         self._clock = clock
@@ -96,6 +140,11 @@ class WorkerTuner:
         self._busy += max(0.0, seconds)
         self.largest_batch = max(self.largest_batch, nbytes)
 
+    def polled(self, capped: bool) -> None:
+        """The pool was polled, with (capped) or without its cap of tasks out."""
+        self._polls += 1
+        self._capped += capped
+
     def decide(self, workers: int) -> Decision | None:
         """Called often; answers at most once per interval."""
         now = self._clock()
@@ -103,23 +152,50 @@ class WorkerTuner:
         if elapsed < self.interval:
             return None
         busy = self._busy / (workers * elapsed)
+        capped = self._capped / self._polls if self._polls else 0.0
         idle = self._idle_cores()
-        self._since, self._busy = now, 0.0
+        self._since, self._busy, self._polls, self._capped = now, 0.0, 0, 0
         if self._settling:
             self._settling = False
             return None
-        decision = None
-        if busy > ADD_ABOVE and workers < self.max_workers:
-            in_flight = (workers + 1) * self.prefetch * self.largest_batch
-            if self.max_pool_bytes is not None and in_flight > self.max_pool_bytes:
-                pass  # one more worker's batches would not fit in max_pool_bytes
-            elif idle is not None and idle >= MIN_IDLE_CORES:
-                decision = Decision(
-                    +1,
-                    "production",
-                    f"workers {busy:.0%} busy, {idle:.1f} cores idle on the host",
-                )
-        elif busy < REMOVE_BELOW and workers > 1:
-            decision = Decision(-1, "consumers", f"workers only {busy:.0%} busy")
+        decision = self._choose(workers, busy, capped, idle)
         self._settling = decision is not None
         return decision
+
+    def _fits(self, workers: int, prefetch: int) -> bool:
+        """`workers` * `prefetch` batches in flight fit in max_pool_bytes."""
+        in_flight = workers * prefetch * self.largest_batch
+        return self.max_pool_bytes is None or in_flight <= self.max_pool_bytes
+
+    def _choose(
+        self, workers: int, busy: float, capped: float, idle: float | None
+    ) -> Decision | None:
+        if busy > ADD_ABOVE:
+            if (
+                self.tunes_workers
+                and workers < self.max_workers
+                and self._fits(workers + 1, self.prefetch)
+                and idle is not None
+                and idle >= MIN_IDLE_CORES
+            ):
+                detail = f"workers {busy:.0%} busy, {idle:.1f} cores idle on the host"
+                return Decision(+1, "production", detail)
+            return None
+        if (
+            self.tunes_prefetch
+            and capped > CAPPED_ABOVE
+            and busy >= REMOVE_BELOW
+            and self.prefetch < MAX_PREFETCH
+            and self._fits(workers, self.prefetch + 1)
+        ):
+            # Workers idle while the pool sat at its cap: tasks queued behind a slow one
+            # while the others had none. A deeper queue per worker evens that out.
+            detail = f"workers {busy:.0%} busy while at the cap {capped:.0%} of the time"
+            return Decision(+1, "production", detail, "prefetch_factor")
+        if busy < REMOVE_BELOW:
+            detail = f"workers only {busy:.0%} busy"
+            if self.tunes_prefetch and self.prefetch > MIN_PREFETCH:
+                return Decision(-1, "consumers", detail, "prefetch_factor")
+            if self.tunes_workers and workers > 1:
+                return Decision(-1, "consumers", detail)
+        return None

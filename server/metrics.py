@@ -98,11 +98,17 @@ class LoaderMetrics:
             ("loader",),
             registry=None,
         )
+        self._prefetch = Gauge(
+            "remote_loader_prefetch_factor",
+            'Tasks in flight per worker of a loader whose prefetch_factor = "auto", as last set.',
+            ("loader",),
+            registry=None,
+        )
         self._worker_changes = Counter(
-            "remote_loader_worker_changes",
-            'Workers added or removed by num_workers = "auto", by what streams waited on: '
-            '"production" (a worker added) or "consumers" (one removed).',
-            ("loader", "reason"),
+            "remote_loader_autotune_changes",
+            'Changes made by num_workers or prefetch_factor = "auto", by setting and by what '
+            'streams waited on: "production" (raised) or "consumers" (lowered).',
+            ("loader", "setting", "reason"),
             registry=None,
         )
         self._pool_workers = Gauge(
@@ -169,6 +175,7 @@ class LoaderMetrics:
             self._pool_nodes,
             self._pool_workers,
             self._workers,
+            self._prefetch,
             self._worker_changes,
             self._queue_wait,
             self._latency,
@@ -177,11 +184,12 @@ class LoaderMetrics:
             self._send,
         )
 
-    def workers_changed(self, workers: int, reason: str) -> None:
-        """num_workers = "auto" resized the pool to `workers` because streams waited on
-        `reason` ("production" or "consumers")."""
-        self._workers.labels(self.loader).set(workers)
-        self._worker_changes.labels(self.loader, reason).inc()
+    def autotuned(self, setting: str, value: int, reason: str) -> None:
+        """Autotuning set `setting` ("num_workers" or "prefetch_factor") to `value` because
+        streams waited on `reason` ("production" or "consumers")."""
+        gauge = self._workers if setting == "num_workers" else self._prefetch
+        gauge.labels(self.loader).set(value)
+        self._worker_changes.labels(self.loader, setting, reason).inc()
 
     def pool_started(self, backend: str, nodes: int, workers: int) -> None:
         """A pool of `backend` started with `workers` workers on `nodes` hosts."""

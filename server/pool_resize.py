@@ -13,7 +13,7 @@ import multiprocessing
 import multiprocessing.connection
 from typing import Any
 
-from remote_loader.server.autotune import WorkerTuner
+from remote_loader.server.autotune import WorkerTuner, log_decision, new_tuner
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
@@ -46,12 +46,8 @@ class ResizablePool:
     _base_seed: int
 
     def _new_tuner(self, spec: LoaderSpec) -> WorkerTuner | None:
-        """The pool's tuner with num_workers = "auto", else None."""
-        if not spec.autotune or spec.max_workers is None:
-            return None
-        return WorkerTuner(
-            spec.max_workers, max_pool_bytes=spec.max_pool_bytes, prefetch=self.prefetch
-        )
+        """The pool's tuner with num_workers or prefetch_factor = "auto", else None."""
+        return new_tuner(spec, self.prefetch)
 
     def _spawn(
         self, worker_id: int
@@ -64,10 +60,16 @@ class ResizablePool:
         """Applies the tuner's decision: a worker added at once, or the last one drained (no
         new tasks) and removed once it holds none. See NOTE [ Worker autotuning ]."""
         last = self.num_workers - 1
+        tuner.polled(len(self._ledger) >= self.max_outstanding)
         if self._active and not self._active[last] and not self._ledger.held_by(last):
             self._remove_last()
         decision = tuner.decide(self.num_workers)
         if decision is None or (self._active and not all(self._active)):
+            return
+        if decision.setting == "prefetch_factor":
+            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
+            self.max_outstanding = max(1, self.prefetch * self.num_workers)
+            log_decision(self.spec.name, self._metrics, decision, self.prefetch)
             return
         if decision.delta > 0:
             self._add_worker()
@@ -75,15 +77,7 @@ class ResizablePool:
             self._active[last] = False  # drained first: removed by a later _tune
             self.max_outstanding = max(1, self.prefetch * (self.num_workers - 1))
         target = self.num_workers if decision.delta > 0 else self.num_workers - 1
-        log.info(
-            "loader %r: %s a worker (streams wait on %s: %s); now %d",
-            self.spec.name,
-            "adding" if decision.delta > 0 else "removing",
-            decision.reason,
-            decision.detail,
-            target,
-        )
-        self._metrics.workers_changed(target, decision.reason)
+        log_decision(self.spec.name, self._metrics, decision, target)
 
     def _add_worker(self) -> None:
         self.num_workers += 1  # the new worker's get_worker_info() says so

@@ -33,7 +33,7 @@ import multiprocessing.connection
 import time
 from typing import Any
 
-from remote_loader.server.autotune import WorkerTuner
+from remote_loader.server.autotune import WorkerTuner, log_decision, new_tuner
 from remote_loader.server.engine import (
     POLL_INTERVAL,
     Delivery,
@@ -95,11 +95,7 @@ class RayPool:
         self.prefetch = prefetch
         self.max_outstanding = max(1, prefetch * self.num_workers)
         # num_workers = "auto" (NOTE [ Worker autotuning ]): actors added and removed likewise.
-        self._tuner = (
-            WorkerTuner(spec.max_workers, max_pool_bytes=spec.max_pool_bytes, prefetch=prefetch)
-            if spec.autotune and spec.max_workers is not None
-            else None
-        )
+        self._tuner = new_tuner(spec, prefetch)
         self.max_batch_bytes = max_batch_bytes
         self.broken = False
         self.restarts = 0
@@ -310,27 +306,24 @@ class RayPool:
         last = self.num_workers - 1
         if not self._active:
             return  # between epochs
+        tuner.polled(len(self._ledger) >= self.max_outstanding)
         if not self._active[last] and not self._ledger.held_by(last) and last > 0:
             self._resize(self.num_workers - 1)
         decision = tuner.decide(self.num_workers)
         if decision is None or not all(self._active):
             return
-        if decision.delta > 0:
+        if decision.setting == "prefetch_factor":
+            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
+            self.max_outstanding = max(1, self.prefetch * self.num_workers)
+            target = self.prefetch
+        elif decision.delta > 0:
             self._resize(self.num_workers + 1)
             target = self.num_workers
         else:
             self._active[last] = False  # no new tasks: removed once it holds none
             self.max_outstanding = max(1, self.prefetch * last)
             target = last
-        log.info(
-            "loader %r: %s a Ray worker (streams wait on %s: %s); now %d",
-            self.spec.name,
-            "adding" if decision.delta > 0 else "removing",
-            decision.reason,
-            decision.detail,
-            target,
-        )
-        self._metrics.workers_changed(target, decision.reason)
+        log_decision(self.spec.name, self._metrics, decision, target)
 
     def _resize(self, workers: int) -> None:
         self._command(Resize(workers))

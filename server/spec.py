@@ -107,6 +107,9 @@ class LoaderSpec:
     # worker, each as big as the largest batch seen) would then pass this many bytes of
     # shared memory. None: no bound but max_workers (and max_batch_bytes per batch).
     max_pool_bytes: int | None = None
+    # prefetch_factor = "auto" sets this: the pool's tasks in flight per worker start at 2 and
+    # move between 2 and 8 (server/autotune.py). Batches do not depend on it.
+    autotune_prefetch: bool = False
 
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
@@ -159,6 +162,9 @@ class LoaderSpec:
         if self.num_workers == AUTO:  # type: ignore[comparison-overlap]
             object.__setattr__(self, "num_workers", 1)
             object.__setattr__(self, "autotune", True)
+        if self.prefetch_factor == AUTO:  # type: ignore[comparison-overlap]
+            object.__setattr__(self, "prefetch_factor", 2)  # torch's default: its checks apply
+            object.__setattr__(self, "autotune_prefetch", True)
         if not self.autotune:
             for key in ("max_workers", "max_pool_bytes"):
                 if getattr(self, key) is not None:
@@ -205,6 +211,7 @@ class LoaderSpec:
             "pool",
             "ray_num_cpus",
             "autotune",
+            "autotune_prefetch",
             "max_workers",
             "max_pool_bytes",
         ):
@@ -279,13 +286,13 @@ def _check_type(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
-    if key == "num_workers" and value == AUTO:
+    if key in ("num_workers", "prefetch_factor") and value == AUTO:
         return value
     if key in ("max_workers", "max_pool_bytes"):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    if key == "autotune":
+    if key in ("autotune", "autotune_prefetch"):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
@@ -403,7 +410,12 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-workers", type=int, default=None, metavar="N")
     g.add_argument("--max-pool-bytes", type=int, default=None, metavar="BYTES")
-    g.add_argument("--prefetch-factor", type=int, default=None)
+    g.add_argument(
+        "--prefetch-factor",
+        type=lambda text: text if text == AUTO else int(text),
+        default=None,
+        metavar="N|auto",
+    )
     g.add_argument("--persistent-workers", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--worker-init-fn", metavar="module:callable")
     g.add_argument("--timeout", type=float, default=0.0)

@@ -71,6 +71,34 @@ def test_no_worker_is_added_past_max_pool_bytes() -> None:
     assert decision is not None and decision.delta == +1
 
 
+def polls(t: WorkerTuner, capped: float, n: int = 100) -> None:
+    for k in range(n):
+        t.polled(k < capped * n)
+
+
+def test_prefetch_deepens_while_workers_idle_at_the_pools_cap_and_shallows_first() -> None:
+    host = Host()
+    t = WorkerTuner(
+        2, workers=False, prefetch_factor=True, clock=host.clock, idle_cores=host.idle_cores
+    )
+    polls(t, capped=0.9)  # at the cap most of the time, yet the workers idle a third of it
+    decision = interval(t, host, 2, 0.65)
+    assert decision == Decision(
+        +1, "production", "workers 65% busy while at the cap 90% of the time", "prefetch_factor"
+    )
+    t.prefetch = 3
+    interval(t, host, 2, 0.65)  # pause
+    polls(t, capped=0.1)
+    assert interval(t, host, 2, 0.65) is None  # not capped: the work, not the queue, is short
+    t.tunes_workers = True
+    decision = interval(t, host, 2, 0.2)  # consumers are the bottleneck: prefetch goes first
+    assert decision is not None and (decision.delta, decision.setting) == (-1, "prefetch_factor")
+    t.prefetch = 2
+    interval(t, host, 2, 0.2)  # pause
+    decision = interval(t, host, 2, 0.2)  # then a worker
+    assert decision is not None and (decision.delta, decision.setting) == (-1, "num_workers")
+
+
 def test_idle_workers_lose_one_down_to_one() -> None:
     t, host = tuner()
     decision = interval(t, host, 3, 0.3)
@@ -88,6 +116,12 @@ def test_auto_needs_per_batch_seeding_and_a_local_map_style_pool() -> None:
         LoaderSpec(name="a", dataset="tests.datasets:Squares", num_workers=2, max_workers=3)
     with pytest.raises(ConfigError, match="max_pool_bytes must be at least 1 byte"):
         LoaderSpec(**base, seeding="per_batch", max_pool_bytes=0)
+    prefetch = LoaderSpec(name="p", dataset="x:y", num_workers=2, prefetch_factor="auto")  # type: ignore[arg-type]
+    assert (prefetch.prefetch_factor, prefetch.autotune_prefetch, prefetch.autotune) == (
+        2,
+        True,
+        False,
+    )
     spec = LoaderSpec(**base, seeding="per_batch", max_workers=3)
     assert (spec.num_workers, spec.autotune, spec.max_workers) == (1, True, 3)
 
@@ -138,5 +172,5 @@ def test_the_pool_grows_while_production_lags_and_shrinks_while_the_consumer_doe
         assert wait_until(lambda: pool.num_workers == 1, 1), pool.num_workers
         assert slow == expected[: len(slow)]
     text = served.hosts["auto"].metrics
-    assert text._worker_changes.labels("auto", "production")._value.get() >= 2
-    assert text._worker_changes.labels("auto", "consumers")._value.get() >= 2
+    assert text._worker_changes.labels("auto", "num_workers", "production")._value.get() >= 2
+    assert text._worker_changes.labels("auto", "num_workers", "consumers")._value.get() >= 2

@@ -233,7 +233,7 @@ def test_num_workers_auto_adds_actors_while_they_cannot_keep_up(cluster: Cluster
             assert got == [b.tolist() for b in loader]  # the same batches, whatever the count
         assert pool.describe()["workers"] == 2
         changes = server.hosts["auto"].metrics._worker_changes
-        assert changes.labels("auto", "production")._value.get() >= 1
+        assert changes.labels("auto", "num_workers", "production")._value.get() >= 1
 
 
 @pytest.mark.timeout(120)
