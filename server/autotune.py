@@ -9,8 +9,12 @@ the last decision; busy = that time / (workers * interval).
   is added if the host has at least half a core idle (from /proc/stat over the same interval)
   and the pool is below max_workers: more workers on a saturated host only take CPU from each
   other and from the server.
-- Busy below REMOVE_BELOW: the workers wait for room, so the consumers are the bottleneck (or
-  nobody reads); one worker goes, down to one.
+- Busy below REMOVE_BELOW, the pool below its cap of tasks in flight: the workers wait for
+  room, so the consumers are the bottleneck (or nobody reads); one worker goes, down to one
+  (with prefetch_factor = "auto", the queue per worker is made shallower first).
+- Not all busy although the pool sat at its cap (prefetch_factor * num_workers tasks out) more
+  than half the time: tasks wait behind a slow one while other workers have none; with
+  prefetch_factor = "auto" the queue per worker deepens, up to MAX_PREFETCH.
 - At most one change per interval, and none in the interval after a change (its effect is not
   measured yet), so the count does not oscillate on a noisy machine.
 
@@ -181,17 +185,18 @@ class WorkerTuner:
                 detail = f"workers {busy:.0%} busy, {idle:.1f} cores idle on the host"
                 return Decision(+1, "production", detail)
             return None
-        if (
-            self.tunes_prefetch
-            and capped > CAPPED_ABOVE
-            and busy >= REMOVE_BELOW
-            and self.prefetch < MAX_PREFETCH
-            and self._fits(workers, self.prefetch + 1)
-        ):
-            # Workers idle while the pool sat at its cap: tasks queued behind a slow one
-            # while the others had none. A deeper queue per worker evens that out.
-            detail = f"workers {busy:.0%} busy while at the cap {capped:.0%} of the time"
-            return Decision(+1, "production", detail, "prefetch_factor")
+        if capped > CAPPED_ABOVE:
+            # Workers idle while the pool sat at its cap: tasks queued behind a slow one while
+            # the others had none (not the consumers: they would leave the pool below its cap).
+            # A deeper queue per worker evens that out.
+            if (
+                self.tunes_prefetch
+                and self.prefetch < MAX_PREFETCH
+                and self._fits(workers, self.prefetch + 1)
+            ):
+                detail = f"workers {busy:.0%} busy while at the cap {capped:.0%} of the time"
+                return Decision(+1, "production", detail, "prefetch_factor")
+            return None
         if busy < REMOVE_BELOW:
             detail = f"workers only {busy:.0%} busy"
             if self.tunes_prefetch and self.prefetch > MIN_PREFETCH:

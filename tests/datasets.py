@@ -322,3 +322,18 @@ class Drawn(Dataset[Any]):
         if spec["nest"] == 1:
             return {"index": i, "leaves": tuple(leaves)}
         return {"index": i, "deep": [{"first": leaves[0]}, (leaves[1:], f"sample {i}")]}
+
+
+class Skewed(Dataset[int]):
+    """Every `every`-th sample sleeps `slow` seconds, the others `fast`: with round-robin
+    dispatch, the tasks queued behind a slow one wait while the other workers idle."""
+
+    def __init__(self, n: int = 200, every: int = 4, slow: float = 0.08, fast: float = 0.002):
+        self.n, self.every, self.slow, self.fast = n, every, slow, fast
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.slow if i % self.every == 0 else self.fast)
+        return i

@@ -174,3 +174,28 @@ def test_the_pool_grows_while_production_lags_and_shrinks_while_the_consumer_doe
     text = served.hosts["auto"].metrics
     assert text._worker_changes.labels("auto", "num_workers", "production")._value.get() >= 2
     assert text._worker_changes.labels("auto", "num_workers", "consumers")._value.get() >= 2
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_auto_deepens_the_queue_when_a_slow_task_idles_the_others(
+    serve_loaders: ServeLoaders,
+) -> None:
+    options: dict[str, Any] = {
+        "dataset": "tests.datasets:Skewed",  # every 7th slow: on either worker in turn
+        "dataset_kwargs": {"n": 300, "every": 7, "slow": 0.2},
+        "batch_size": 1,
+        "num_workers": 2,
+        "persistent_workers": True,
+    }
+    served = serve_loaders(
+        LoaderSpec(name="deep", prefetch_factor="auto", **options),  # type: ignore[arg-type]
+        LoaderSpec(name="fixed", **options),
+    )
+    pool = pool_of(served, "deep")
+    with RemoteLoader(served.address, "fixed") as loader:
+        expected = [int(b) for b in loader]
+    with RemoteLoader(served.address, "deep") as loader:
+        assert [int(b) for b in loader] == expected  # prefetch never changes the batches
+    assert pool.prefetch > 2, "workers idled at the cap: the queue per worker should deepen"
+    changes = served.hosts["deep"].metrics._worker_changes
+    assert changes.labels("deep", "prefetch_factor", "production")._value.get() >= 1

@@ -33,17 +33,36 @@ NODE: dict[str, Any] = {"node_ip_address": LOOPBACK, "object_store_memory": 80 <
 # Ray picks the node's address itself unless told: on Linux it asks the route to the internet,
 # which here is not loopback. With this, any node started in this process uses 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray gives its control store 30 s to start (and a raylet 30 s to register, not configurable):
+# on a loaded 2-core machine that is not always enough, so the store gets more and a cluster
+# that failed to start is started again once (start_cluster).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
+
+def start_cluster(workers: int) -> Cluster:
+    """A head without CPUs and `workers` nodes of one CPU, all on 127.0.0.1."""
+    for attempt in (1, 2):
+        c: Cluster | None = None
+        try:
+            c = Cluster(
+                initialize_head=True,
+                head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False},
+            )
+            for _ in range(workers):
+                c.add_node(**NODE)
+            c.wait_for_nodes()
+            return c
+        except Exception:
+            if c is not None:
+                c.shutdown()  # type: ignore[no-untyped-call]
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False},
-    )
-    for _ in range(2):
-        c.add_node(**NODE)
-    c.wait_for_nodes()
+    c = start_cluster(2)
     yield c
     c.shutdown()  # type: ignore[no-untyped-call]
 
@@ -287,11 +306,7 @@ def test_pool_ray_is_checked_in_the_spec() -> None:
 
 @pytest.mark.timeout(180)
 def test_losing_the_ray_cluster_mid_epoch_fails_the_stream_not_the_server() -> None:
-    lost = Cluster(
-        initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False}
-    )
-    lost.add_node(**NODE)
-    lost.wait_for_nodes()
+    lost = start_cluster(1)
     spec = LoaderSpec(
         name="slow",
         dataset="tests.datasets:Slow",
