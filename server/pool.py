@@ -247,8 +247,8 @@ class WorkerPool(ResizablePool):
         self._current_epoch.value = self._key
         for q in self._index_queues:
             q.put(EpochStart(epoch_key=self._key, base_seed=base_seed))
-        self._active = [True] * self.num_workers
-        self._worker_cycle = itertools.cycle(range(self.num_workers))
+        # A worker being drained by autotuning is kept: the new epoch may use it again.
+        self._resized()
         self._ledger.begin_epoch()
         self._failed.clear()
 

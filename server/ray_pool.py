@@ -193,7 +193,8 @@ class RayPool:
             raise RuntimeError("this Ray pool has been shut down")
         self._key = next(self._epoch_keys)
         self._command(Begin(self._key, base_seed))
-        self._active = [True] * self.num_workers
+        self._active = [True] * self.num_workers  # a drained last actor may serve again
+        self.max_outstanding = max(1, self.prefetch * self.num_workers)
         self._turn = 0
         self._ledger.begin_epoch()
 
