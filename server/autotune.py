@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.supervision import TaskLedger
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,51 @@ def log_decision(loader: str, metrics: LoaderMetrics, decision: Decision, value:
         decision.detail,
     )
     metrics.autotuned(decision.setting, value, decision.reason)
+
+
+class Tuned:
+    """The decision loop both pools share (local processes, Ray actors): a pool supplies
+    `_add_worker` and `_remove_last`, and calls `_tune` from its poll."""
+
+    spec: LoaderSpec
+    num_workers: int
+    prefetch: int
+    max_outstanding: int
+    _ledger: TaskLedger
+    _active: list[bool]
+    _metrics: LoaderMetrics
+
+    def _add_worker(self) -> None:
+        raise NotImplementedError
+
+    def _remove_last(self) -> None:
+        raise NotImplementedError
+
+    def _tune(self, tuner: WorkerTuner) -> None:
+        """Applies the tuner's decision: a worker added at once, or the last one drained (no
+        new tasks) and removed once it holds none, or the queue per worker changed."""
+        if not self._active:
+            return  # between epochs
+        tuner.polled(len(self._ledger) >= self.max_outstanding)
+        last = self.num_workers - 1
+        if last > 0 and not self._active[last] and not self._ledger.held_by(last):
+            self._remove_last()
+            last = self.num_workers - 1
+        decision = tuner.decide(self.num_workers)
+        if decision is None or not all(self._active):
+            return
+        if decision.setting == "prefetch_factor":
+            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
+            self.max_outstanding = max(1, self.prefetch * self.num_workers)
+            target = self.prefetch
+        elif decision.delta > 0:
+            self._add_worker()
+            target = self.num_workers
+        else:
+            self._active[last] = False  # drained first: removed by a later _tune
+            self.max_outstanding = max(1, self.prefetch * last)
+            target = last
+        log_decision(self.spec.name, self._metrics, decision, target)
 
 
 def host_idle_cores() -> Callable[[], float | None]:

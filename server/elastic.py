@@ -72,12 +72,6 @@ class Reshard:
         origin = cls.of(message.origin, depth + 1) if message.HasField("origin") else None
         return cls(message.world_size, tuple(message.consumed), origin)
 
-    def to_pb(self) -> pb.Reshard:
-        message = pb.Reshard(world_size=self.world_size, consumed=self.consumed)
-        if self.origin is not None:
-            message.origin.CopyFrom(self.origin.to_pb())
-        return message
-
 
 def resharded_plan(
     spec: LoaderSpec, dataset: Any, seed: int, epoch: int, reshard: Reshard, world_size: int
@@ -86,13 +80,15 @@ def resharded_plan(
     ReshardError when that cannot be done exactly (see NOTE [ Elastic resume ])."""
     shares = _shares(spec, dataset, seed, epoch, reshard, world_size)
     base_seed = plan_epoch(spec, dataset, seed, epoch, 1).base_seed
+    # Built once: the Run looks a task's index up for every task it submits.
+    indices = [[index for index, _ in share] for share in shares]
     return EpochPlan(
         seed,
         epoch,
         base_seed,
         world_size,
         lambda rank: iter([task for _, task in shares[rank]]),
-        indices=lambda rank: [index for index, _ in shares[rank]],
+        indices=indices.__getitem__,
     )
 
 

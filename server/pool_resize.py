@@ -13,7 +13,7 @@ import multiprocessing
 import multiprocessing.connection
 from typing import Any
 
-from remote_loader.server.autotune import WorkerTuner, log_decision, new_tuner
+from remote_loader.server.autotune import Tuned, WorkerTuner, new_tuner
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
@@ -23,7 +23,7 @@ from remote_loader.server.worker import EpochStart
 log = logging.getLogger(__name__)
 
 
-class ResizablePool:
+class ResizablePool(Tuned):
     """The part of WorkerPool that changes its size (only ever the last worker goes)."""
 
     spec: LoaderSpec
@@ -55,29 +55,6 @@ class ResizablePool:
         multiprocessing.process.BaseProcess, Any, int, Any, multiprocessing.connection.Connection
     ]:
         raise NotImplementedError
-
-    def _tune(self, tuner: WorkerTuner) -> None:
-        """Applies the tuner's decision: a worker added at once, or the last one drained (no
-        new tasks) and removed once it holds none. See NOTE [ Worker autotuning ]."""
-        last = self.num_workers - 1
-        tuner.polled(len(self._ledger) >= self.max_outstanding)
-        if self._active and not self._active[last] and not self._ledger.held_by(last):
-            self._remove_last()
-        decision = tuner.decide(self.num_workers)
-        if decision is None or (self._active and not all(self._active)):
-            return
-        if decision.setting == "prefetch_factor":
-            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
-            self.max_outstanding = max(1, self.prefetch * self.num_workers)
-            log_decision(self.spec.name, self._metrics, decision, self.prefetch)
-            return
-        if decision.delta > 0:
-            self._add_worker()
-        else:
-            self._active[last] = False  # drained first: removed by a later _tune
-            self.max_outstanding = max(1, self.prefetch * (self.num_workers - 1))
-        target = self.num_workers if decision.delta > 0 else self.num_workers - 1
-        log_decision(self.spec.name, self._metrics, decision, target)
 
     def _add_worker(self) -> None:
         self.num_workers += 1  # the new worker's get_worker_info() says so

@@ -166,6 +166,9 @@ class _Bridge:
         self.actors: list[Any] = []
         self.generations: list[int] = []
         self.slots = _Slots()
+        # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
+        # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
+        # one start-up per replaced actor.
         self.done: queue.SimpleQueue[tuple[int, int, Task | str | None, Future[Any]]] = (
             queue.SimpleQueue()
         )

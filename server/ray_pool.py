@@ -33,7 +33,7 @@ import multiprocessing.connection
 import time
 from typing import Any
 
-from remote_loader.server.autotune import WorkerTuner, log_decision, new_tuner
+from remote_loader.server.autotune import Tuned, new_tuner
 from remote_loader.server.engine import (
     POLL_INTERVAL,
     Delivery,
@@ -70,7 +70,7 @@ START_TIMEOUT = ACTOR_START_TIMEOUT + 30.0
 BRIDGE_JOIN_TIMEOUT = 10.0
 
 
-class RayPool:
+class RayPool(Tuned):
     """A loader's workers as Ray actors. See NOTE [ Ray bridge ] and NOTE [ Ray data path ]."""
 
     backend = "ray"
@@ -301,30 +301,11 @@ class RayPool:
             ),
         )
 
-    def _tune(self, tuner: WorkerTuner) -> None:
-        """As the local pool's (server/pool_resize.py), with actors: one added at once, or the
-        last drained and removed once it holds no task."""
-        last = self.num_workers - 1
-        if not self._active:
-            return  # between epochs
-        tuner.polled(len(self._ledger) >= self.max_outstanding)
-        if not self._active[last] and not self._ledger.held_by(last) and last > 0:
-            self._resize(self.num_workers - 1)
-        decision = tuner.decide(self.num_workers)
-        if decision is None or not all(self._active):
-            return
-        if decision.setting == "prefetch_factor":
-            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
-            self.max_outstanding = max(1, self.prefetch * self.num_workers)
-            target = self.prefetch
-        elif decision.delta > 0:
-            self._resize(self.num_workers + 1)
-            target = self.num_workers
-        else:
-            self._active[last] = False  # no new tasks: removed once it holds none
-            self.max_outstanding = max(1, self.prefetch * last)
-            target = last
-        log_decision(self.spec.name, self._metrics, decision, target)
+    def _add_worker(self) -> None:  # Tuned: num_workers / prefetch_factor = "auto"
+        self._resize(self.num_workers + 1)
+
+    def _remove_last(self) -> None:
+        self._resize(self.num_workers - 1)
 
     def _resize(self, workers: int) -> None:
         self._command(Resize(workers))

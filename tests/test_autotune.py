@@ -12,8 +12,10 @@ import pytest
 from remote_loader.client import RemoteLoader
 from remote_loader.server import autotune
 from remote_loader.server.autotune import Decision, WorkerTuner
+from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import WorkerPool
 from remote_loader.server.spec import ConfigError, LoaderSpec
+from remote_loader.server.supervision import TaskLedger
 from tests.conftest import ServeLoaders, wait_until
 
 
@@ -202,3 +204,33 @@ def test_prefetch_auto_deepens_the_queue_when_a_slow_task_idles_the_others(
     assert pool.prefetch > 2, "workers idled at the cap: the queue per worker should deepen"
     changes = served.hosts["deep"].metrics._worker_changes
     assert changes.labels("deep", "prefetch_factor", "production")._value.get() >= 1
+
+
+class Resizing(autotune.Tuned):
+    """A pool of nothing but the fields the shared decision loop reads."""
+
+    def __init__(self, workers: int) -> None:
+        self.spec = LoaderSpec(name="r", dataset="tests.datasets:Squares")
+        self.num_workers, self.prefetch = workers, 2
+        self.max_outstanding = 2 * workers
+        self._ledger = TaskLedger(workers, iterable=False)
+        self._active = [True] * workers
+        self._metrics = LoaderMetrics("r")
+
+    def _add_worker(self) -> None:
+        self.num_workers += 1
+        self._active = [True] * self.num_workers
+
+    def _remove_last(self) -> None:
+        self.num_workers -= 1
+        self._active = [True] * self.num_workers
+
+
+def test_a_drained_worker_removed_in_the_same_round_as_the_next_decision() -> None:
+    t, host = tuner()
+    pool = Resizing(3)
+    pool._active[2] = False  # the last one drained, holding nothing: it goes now...
+    host.now += t.interval
+    pool._tune(t)  # ...and the consumers are still the bottleneck: the next one drains
+    assert pool.num_workers == 2 and pool._active == [True, False]
+    assert pool.max_outstanding == 2
