@@ -80,6 +80,7 @@ class EpochIterator(Iterator[Any]):
                 else None
             ),
             on_tcp_failed=owner._data_connection_failed,
+            slot_maps=owner._slot_maps,
         )
         self._receiver = Receiver(
             open_stream,

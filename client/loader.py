@@ -23,6 +23,7 @@ from remote_loader.client.receiver import DEFAULT_BACKOFF
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
+from remote_loader.protos.slots import SlotMaps
 
 DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -133,6 +134,9 @@ class RemoteLoader:
         # A data connection could not be made: later epochs do not try again (a firewall that
         # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
         self._no_data_connection = False
+        # The workers' slots this loader's streams have mapped (NOTE [ Zero-copy slots ] in
+        # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
+        self._slot_maps = SlotMaps()
         self._closed = False
         self.tls = resolve_tls(tls)
         self._channel = open_channel(
@@ -391,6 +395,7 @@ class RemoteLoader:
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
+        self._slot_maps.close()
         self._channel.close()
 
     def __enter__(self) -> RemoteLoader:

@@ -120,12 +120,16 @@ class Reshard(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., consumed: _Optional[_Iterable[int]] = ..., origin: _Optional[_Union[Reshard, _Mapping]] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
-    __slots__ = ("probe", "nonce")
+    __slots__ = ("probe", "nonce", "pid", "probe_fd")
     PROBE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FD_FIELD_NUMBER: _ClassVar[int]
     probe: str
     nonce: bytes
-    def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    probe_fd: int
+    def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., probe_fd: _Optional[int] = ...) -> None: ...
 
 class TcpChannel(_message.Message):
     __slots__ = ("port", "ticket")
@@ -136,16 +140,32 @@ class TcpChannel(_message.Message):
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ShmBatch(_message.Message):
-    __slots__ = ("ring", "ring_bytes", "offset", "release")
+    __slots__ = ("ring", "ring_bytes", "offset", "release", "slot")
     RING_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     ring: str
     ring_bytes: int
     offset: int
     release: int
-    def __init__(self, ring: _Optional[str] = ..., ring_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., release: _Optional[int] = ...) -> None: ...
+    slot: ShmSlot
+    def __init__(self, ring: _Optional[str] = ..., ring_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., release: _Optional[int] = ..., slot: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
+
+class ShmSlot(_message.Message):
+    __slots__ = ("pid", "fd", "inode", "size", "generation")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    inode: int
+    size: int
+    generation: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("where", "type", "message", "traceback")

@@ -90,6 +90,7 @@ import re
 import secrets
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -149,12 +150,16 @@ def _unlink(name: str) -> None:
 class Probe:
     """The client's half of the negotiation: a small file only a process sharing /dev/shm reads.
 
-    `remove()` is idempotent and safe to call from any thread.
+    The probe stays open (`fd`) until `remove()`: a server that also finds it under
+    /proc/<pid>/fd/<fd> shares this process's pid namespace (NOTE [ Zero-copy slots ] in
+    protos/slots.py). `remove()` is idempotent and safe to call from any thread.
     """
 
     def __init__(self) -> None:
         self.name = PROBE_PREFIX + secrets.token_hex(16)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
         try:
             # Readable by all: a server running as another user must read it (the nonce proves
             # only that the two share /dev/shm; it guards nothing).
@@ -168,9 +173,13 @@ class Probe:
             os.close(fd)
             _unlink(self.name)
             raise ShmUnavailable(f"cannot write {_path(self.name)}: {exc}") from exc
-        os.close(fd)
+        self.fd: int | None = fd
 
     def remove(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
         _unlink(self.name)
 
 
@@ -185,7 +194,13 @@ def can_share_with(uid: int) -> bool:
 
 
 def verify_probe(name: str, nonce: bytes) -> int | None:
-    """The server's half: the probe owner's uid if `name` holds `nonce`, else None.
+    """The server's half: the probe owner's uid if `name` holds `nonce`, else None."""
+    st = read_probe(name, nonce)
+    return None if st is None else st.st_uid
+
+
+def read_probe(name: str, nonce: bytes) -> os.stat_result | None:
+    """The probe file's status if `name` holds `nonce`, else None.
 
     Removes the probe either way. Never follows a link, reads only a regular file of the exact
     size, and compares in constant time.
@@ -206,10 +221,21 @@ def verify_probe(name: str, nonce: bytes) -> int | None:
     finally:
         os.close(fd)
         _unlink(name)
-    return st.st_uid if hmac.compare_digest(content, nonce) else None
+    return st if hmac.compare_digest(content, nonce) else None
 
 
 # --- the ring ------------------------------------------------------------------------------
+
+
+def wait_until(ready: Callable[[], bool], stopped: Callable[[], bool], poll: float = 50e-6) -> bool:
+    """Polls `ready()`, backing off to _MAX_POLL, until it is true (True) or `stopped()` is
+    (False): the client's side of a ring has no way to wake the server."""
+    while not ready():
+        if stopped():
+            return False
+        time.sleep(poll)
+        poll = min(poll * 2, _MAX_POLL)
+    return True
 
 
 def _aligned(n: int) -> int:
@@ -295,7 +321,7 @@ class RingWriter:
             consumed = self.consumed()
             return end - consumed <= self.capacity or consumed >= written
 
-        if not self._wait(room, stopped, poll):
+        if not wait_until(room, stopped, poll):
             return None
         # numpy copies without holding the GIL, so other streams' threads run meanwhile.
         np.copyto(self._data[pos : pos + n], np.frombuffer(blob, dtype=np.uint8))
@@ -311,16 +337,7 @@ class RingWriter:
 
     def wait_attached(self, stopped: Callable[[], bool]) -> bool:
         """Waits until the client has mapped the ring (its name may go then); False if stopped."""
-        return self._wait(self.attached, stopped, 50e-6)
-
-    @staticmethod
-    def _wait(ready: Callable[[], bool], stopped: Callable[[], bool], poll: float) -> bool:
-        while not ready():
-            if stopped():
-                return False
-            time.sleep(poll)
-            poll = min(poll * 2, _MAX_POLL)
-        return True
+        return wait_until(self.attached, stopped, 50e-6)
 
     def _forget_name(self) -> None:
         _unlink(self.name)

@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         f"memory (default {DEFAULTS.max_ring_bytes})",
     )
     serve.add_argument(
+        "--zero-copy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let same-host clients of this user and pid namespace read batches in the "
+        "workers' shared memory, with no copy by the server (default on)",
+    )
+    serve.add_argument(
         "--data-address",
         help="HOST:PORT for clients' data connections (batch bytes beside the gRPC stream), "
         '"auto" (the --address host, a free port; none with TLS) or "off" '

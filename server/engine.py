@@ -48,6 +48,19 @@ def _nothing() -> None:
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotRef:
+    """Where a delivered batch lies in its worker's slot, for a client that maps the slot
+    itself (NOTE [ Zero-copy slots ] in protos/slots.py): the descriptor this process holds the
+    slot open on, the file's inode and size, the blob's offset and the slot's generation."""
+
+    fd: int
+    inode: int
+    size: int
+    offset: int
+    generation: int
+
+
 @dataclasses.dataclass
 class Delivery:
     """One batch made for a Run: its encoded blob, or the error raised making it.
@@ -60,6 +73,9 @@ class Delivery:
     header_nbytes: int = 0
     error: RemoteError | None = None
     release: Callable[[], None] = _nothing
+    # The worker's slot holding `blob`, when a same-host client may map it (None: in this
+    # process's memory, or a slot without a descriptor).
+    slot: SlotRef | None = None
     # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
     # the queue and latency metrics).
     submitted_at: float = 0.0

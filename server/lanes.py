@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from remote_loader.protos import wire
@@ -29,7 +29,12 @@ MIN_LANE_WINDOW = 2
 
 
 class Entry:
-    """A batch (or the error at its place) made by a Run, waiting to be sent."""
+    """A batch (or the error at its place) made by a Run, waiting to be sent.
+
+    Its worker's slot goes back once the sharing policy is done with the entry (`release`)
+    and every lease on it has ended: a zero-copy sender leases the entry until its client has
+    copied the batch out of the slot (NOTE [ Zero-copy slots ] in protos/slots.py).
+    """
 
     def __init__(self, position: int, delivery: Delivery) -> None:
         self.position = position
@@ -37,9 +42,10 @@ class Entry:
         self.made_at = time.monotonic()
         # The encoded batch's size (0 for an error), kept: the blob goes once released.
         self.nbytes = len(delivery.blob) if delivery.blob is not None else 0
-        self._released = False
+        self._released = False  # the policy is done with it
+        self._leases = 0
+        self._given_back = False
         self._frames: list[bytes] | None = None
-        self._blob: bytes | None = None
         self._lock = threading.Lock()
 
     @property
@@ -50,45 +56,46 @@ class Entry:
         """The batch as Frames numbered `batch`, built once and kept for every consumer.
 
         Used by broadcast, where every consumer sends the same entry as the same batch number:
-        the copy out of shared memory happens once, and the worker's slot goes back at once.
+        the frames are cut once, whatever the number of gRPC consumers.
         """
         with self._lock:
             if self._frames is None:
-                blob = self._blob if self._blob is not None else self.delivery.blob
-                assert blob is not None
+                blob = self.delivery.blob
+                assert blob is not None and not self._given_back
                 self._frames = list(
-                    wire.batch_frames(
-                        batch, memoryview(blob), self.delivery.header_nbytes, chunk_size
-                    )
+                    wire.batch_frames(batch, blob, self.delivery.header_nbytes, chunk_size)
                 )
-                self._release_locked()
             return self._frames
 
-    def blob(self) -> memoryview:
-        """The encoded batch, copied out of the worker's slot once and kept for every consumer.
-
-        Used by broadcast consumers on shared memory (which copy it into their own rings): the
-        worker's slot goes back at once, as with `frames()`.
-        """
+    def lease(self) -> Callable[[], None]:
+        """Keeps the worker's slot (and `delivery.blob`) valid past `release` until the
+        returned function is called (idempotent, any thread)."""
         with self._lock:
-            if self._blob is None:
-                if not self._released:
-                    assert self.delivery.blob is not None
-                    self._blob = bytes(self.delivery.blob)
-                    self._release_locked()
-                else:  # frames() came first and gave the slot back: the bytes are in them
-                    assert self._frames is not None
-                    self._blob = b"".join(wire.parse_frame(f)[1] for f in self._frames)
-            return memoryview(self._blob)
+            assert not self._given_back, "the slot was given back"
+            self._leases += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            with self._lock:
+                if ended:
+                    return
+                ended = True
+                self._leases -= 1
+                self._give_back_locked()
+
+        return end
 
     def release(self) -> None:
-        """Hands the worker's slot back; idempotent."""
+        """The policy is done with the entry; the slot goes back once no lease holds it.
+        Idempotent."""
         with self._lock:
-            self._release_locked()
-
-    def _release_locked(self) -> None:
-        if not self._released:
             self._released = True
+            self._give_back_locked()
+
+    def _give_back_locked(self) -> None:
+        if self._released and self._leases == 0 and not self._given_back:
+            self._given_back = True
             self.delivery.release()
 
 

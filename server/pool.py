@@ -362,12 +362,12 @@ class WorkerPool(ResizablePool):
             self._ledger.restore(pending)
             return None
         self._metrics.worker_timing(*stamps)
-        blob = slot[: result.total_nbytes]
         return Outcome(
             result.task_id,
             Delivery(
-                blob=blob,
+                blob=slot.blob(result.total_nbytes),
                 header_nbytes=result.header_nbytes,
+                slot=slot.ref(result.generation),
                 release=functools.partial(self._slots.release, result.incarnation, result.slot),
             ),
         )

@@ -255,16 +255,18 @@ class _Bridge:
         assert kind == BATCH
         _, header_nbytes, blob, started, finished = value
         with self.lock:
-            slot, buffer, new_buffer, dropped = self.slots.take(len(blob))
+            taken = self.slots.take(len(blob))
         # The one copy the bridge makes: out of Ray's object store into the slot the server
         # reads (the object goes back to Ray when `value` is dropped).
-        buffer.numpy()[: len(blob)] = blob
+        taken.blob.numpy()[:] = blob
+        self.slots.written(taken)
         return base(
-            slot=slot,
+            slot=taken.slot,
             header_nbytes=header_nbytes,
             total_nbytes=len(blob),
-            new_buffer=new_buffer,
-            dropped=dropped,
+            new_buffer=taken.new_buffer,
+            dropped=taken.dropped,
+            generation=taken.generation,
             started_at=started,
             finished_at=finished,
         )

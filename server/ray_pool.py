@@ -289,14 +289,14 @@ class RayPool(Tuned):
             self._metrics.worker_timing(*stamps)
             return Outcome(result.task_id, Delivery(error=result.error))
         self._metrics.worker_timing(*stamps)
-        view = self._slots.view(0, result.slot)
-        assert view is not None  # the bridge's slots live as long as the pool
-        blob = view[: result.total_nbytes]
+        slot = self._slots.view(0, result.slot)
+        assert slot is not None  # the bridge's slots live as long as the pool
         return Outcome(
             result.task_id,
             Delivery(
-                blob=blob,
+                blob=slot.blob(result.total_nbytes),
                 header_nbytes=result.header_nbytes,
+                slot=slot.ref(result.generation),
                 release=functools.partial(self._slots.release, 0, result.slot),
             ),
         )

@@ -292,6 +292,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         hosts,
         settings.chunk_size,
         settings.max_ring_bytes,
+        zero_copy=settings.zero_copy,
         max_streams=settings.max_streams,
         client_silence=(settings.keepalive_time_ms + settings.keepalive_timeout_ms) / 1000,
     )

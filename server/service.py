@@ -56,6 +56,7 @@ class LoaderService:
         hosts: Mapping[str, LoaderHost],
         chunk_size: int,
         max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES,
+        zero_copy: bool = True,
         max_streams: int = ServerSettings.max_streams,
         client_silence: float = DEFAULT_CLIENT_SILENCE,
     ) -> None:
@@ -69,6 +70,8 @@ class LoaderService:
         self.chunk_size = chunk_size
         # Each stream's shared-memory ring is at most this big (0: never use shared memory).
         self.max_ring_bytes = max_ring_bytes
+        # Same-host clients that can may read the workers' slots themselves (protos/slots.py).
+        self.zero_copy = zero_copy
         # A same-host client whose ring heartbeat stands still this long while the stream waits
         # for it is let go (NOTE [ Ring space ]): keepalive_time_ms + keepalive_timeout_ms.
         self.client_silence = client_silence
@@ -253,6 +256,7 @@ class LoaderService:
             chunk_size=self.chunk_size,
             shared=shared,
             max_ring_bytes=self.max_ring_bytes,
+            zero_copy=self.zero_copy,
             client_silence=self.client_silence,
             listener=self.listener,
         )

@@ -48,6 +48,10 @@ class ServerSettings:
     # Largest shared-memory ring of one same-host stream, in bytes (protos/shm.py); a batch
     # bigger than it goes as gRPC frames; 0 turns the shared-memory transport off.
     max_ring_bytes: int = shm.DEFAULT_MAX_RING_BYTES
+    # A same-host client of this server's user and pid namespace reads batches in the workers'
+    # slots themselves, with no copy by the server (NOTE [ Zero-copy slots ] in protos/slots.py);
+    # false: every same-host batch is copied into the stream's ring.
+    zero_copy: bool = True
     # Where clients on other hosts open their data connections (NOTE [ TCP data connection ] in
     # protos/tcp.py): "auto", the address's host on a free port (no data connections with TLS);
     # HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside gRPC.
@@ -203,6 +207,7 @@ _TYPES: dict[str, type] = {
     "metrics_address": str,
     "max_batch_bytes": int,
     "max_ring_bytes": int,
+    "zero_copy": bool,
     "data_address": str,
     "max_request_bytes": int,
     "keepalive_time_ms": int,

@@ -2,7 +2,8 @@
 
 A worker (a worker process, or the Ray pool's bridge) encodes each batch into one of its own
 reusable shared-memory slots and names it in its Result; the first Result naming a new slot
-carries the slot's tensor, which the server maps once. The server reads a slot until the
+carries the slot's tensor, which the server maps once (and whose descriptor a same-host client
+may open: NOTE [ Zero-copy slots ] in protos/slots.py). The server reads a slot until the
 batch's last consumer is done with it, then hands the slot back with that worker's next Task.
 Slots belong to one process (an incarnation): when it dies they are forgotten with it.
 
@@ -12,16 +13,54 @@ slots of an incarnation are at most its tasks in flight plus the batches still b
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 
+import torch
+
+from remote_loader.protos import slots as slot_protocol
+from remote_loader.server.engine import SlotRef
 from remote_loader.server.worker import Result
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A mapped slot (its whole file, generation header included) and the descriptor this
+    process holds it open on (None when the shared tensor has none to give: its batches are
+    then never offered zero-copy)."""
+
+    view: memoryview
+    fd: int | None
+    inode: int
+    size: int
+
+    def blob(self, nbytes: int) -> memoryview:
+        return self.view[slot_protocol.SLOT_HEADER : slot_protocol.SLOT_HEADER + nbytes]
+
+    def ref(self, generation: int) -> SlotRef | None:
+        if self.fd is None:
+            return None
+        return SlotRef(self.fd, self.inode, self.size, slot_protocol.SLOT_HEADER, generation)
+
+
+def _slot(buffer: torch.Tensor) -> Slot:
+    view = buffer.numpy().data
+    try:
+        # torch's file_descriptor strategy keeps the descriptor it mapped the slot from, and
+        # hands the same one back here (no new descriptor per call).
+        fd, size = buffer.untyped_storage()._share_fd_cpu_()
+        inode = os.fstat(fd).st_ino
+    except (RuntimeError, OSError):
+        return Slot(view, None, 0, len(view))
+    return Slot(view, fd, inode, size)
 
 
 class SlotTable:
     """Slots by (incarnation, slot id), and those released per incarnation."""
 
     def __init__(self) -> None:
-        self._views: dict[tuple[int, int], memoryview] = {}
+        self._views: dict[tuple[int, int], Slot] = {}
         self._released: dict[int, list[int]] = {}
         # Guards _released: releases come from the stream threads that sent the batches.
         self._lock = threading.Lock()
@@ -36,10 +75,10 @@ class SlotTable:
         for slot in result.dropped:
             self._views.pop((result.incarnation, slot), None)
         if result.new_buffer is not None:
-            self._views[(result.incarnation, result.slot)] = result.new_buffer.numpy().data
+            self._views[(result.incarnation, result.slot)] = _slot(result.new_buffer)
 
-    def view(self, incarnation: int, slot: int) -> memoryview | None:
-        """The slot's bytes; None for a slot forgotten with its (replaced) process."""
+    def view(self, incarnation: int, slot: int) -> Slot | None:
+        """The slot; None for a slot forgotten with its (replaced) process."""
         return self._views.get((incarnation, slot))
 
     def release(self, incarnation: int, slot: int) -> None:

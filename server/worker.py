@@ -22,6 +22,7 @@ import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos import codec
+from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 
@@ -137,6 +138,8 @@ class Result:
     incarnation: int = 0
     # The worker cannot load anything (the dataset factory or worker_init_fn raised there).
     fatal: bool = False
+    # The slot's generation holding this batch (NOTE [ Zero-copy slots ] in protos/slots.py).
+    generation: int = 0
     # time.monotonic() when the worker took the task and when it had the result (for metrics):
     # CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the server compares
     # them with its own stamps.
@@ -234,8 +237,24 @@ class Fetcher:
 # --- the worker process -------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """A slot taken for one batch: write it into `blob`, then call `_Slots.written`."""
+
+    slot: int
+    blob: torch.Tensor  # the slot past its header (NOTE [ Zero-copy slots ])
+    new_buffer: torch.Tensor | None  # the whole slot, if the server has not seen it yet
+    dropped: tuple[int, ...]
+    generation: int  # the slot's generation once the batch is written
+
+
 class _Slots:
-    """This worker's shared-memory buffers; the server reads a slot until it releases it."""
+    """This worker's shared-memory buffers; the server reads a slot until it releases it.
+
+    Each slot starts with its generation word (protos/slots.py): odd while a batch is being
+    written, then the even value the Result carries, so a same-host client reading the slot
+    directly can tell a batch from a slot reused under it.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
@@ -245,25 +264,35 @@ class _Slots:
     def release(self, ids: tuple[int, ...]) -> None:
         self._free.update(i for i in ids if i in self._buffers)
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
-        """A free slot of at least nbytes: (id, buffer, buffer if new else None, dropped ids)."""
-        fitting = [i for i in self._free if self._buffers[i].numel() >= nbytes]
+    def take(self, nbytes: int) -> Taken:
+        """A free slot for an nbytes batch, marked as being written."""
+        need = slot_protocol.SLOT_HEADER + nbytes
+        fitting = [i for i in self._free if self._buffers[i].numel() >= need]
+        new_buffer = None
+        dropped: tuple[int, ...] = ()
         if fitting:
             slot = min(fitting, key=lambda i: self._buffers[i].numel())
             self._free.discard(slot)
-            return slot, self._buffers[slot], None, ()
-        # Nothing fits: replace the free slots that are too small rather than keep them, so the
-        # number of slots stays bounded by the tasks in flight.
-        dropped = tuple(self._free)
-        for i in dropped:
-            del self._buffers[i]
-        self._free.clear()
-        size = -(-max(nbytes, 1) // SLOT_GRANULE) * SLOT_GRANULE
-        buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
-        slot = self._next_id
-        self._next_id += 1
-        self._buffers[slot] = buffer
-        return slot, buffer, buffer, dropped
+        else:
+            # Nothing fits: replace the free slots that are too small rather than keep them, so
+            # the number of slots stays bounded by the tasks in flight.
+            dropped = tuple(self._free)
+            for i in dropped:
+                del self._buffers[i]
+            self._free.clear()
+            size = -(-need // SLOT_GRANULE) * SLOT_GRANULE
+            new_buffer = torch.zeros(size, dtype=torch.uint8).share_memory_()
+            slot = self._next_id
+            self._next_id += 1
+            self._buffers[slot] = new_buffer
+        buffer = self._buffers[slot]
+        generation = slot_protocol.begin_write(buffer.numpy().data)
+        blob = buffer[slot_protocol.SLOT_HEADER : need]
+        return Taken(slot, blob, new_buffer, dropped, generation)
+
+    def written(self, taken: Taken) -> None:
+        """The batch is whole in the slot."""
+        slot_protocol.end_write(self._buffers[taken.slot].numpy().data, taken.generation)
 
 
 def _server_alive(server_pid: int, parent_pid: int) -> bool:
@@ -413,12 +442,14 @@ def _run_task(
     if made.encoded is None:
         return base(exhausted=True)
     encoded = made.encoded
-    slot, buffer, new_buffer, dropped = slots.take(encoded.total_nbytes)
-    encoded.write_blob(buffer[: encoded.total_nbytes])
+    taken = slots.take(encoded.total_nbytes)
+    encoded.write_blob(taken.blob)
+    slots.written(taken)
     return base(
-        slot=slot,
+        slot=taken.slot,
         header_nbytes=len(encoded.header),
         total_nbytes=encoded.total_nbytes,
-        new_buffer=new_buffer,
-        dropped=dropped,
+        new_buffer=taken.new_buffer,
+        dropped=taken.dropped,
+        generation=taken.generation,
     )

@@ -250,7 +250,7 @@ def test_rings_grow_with_the_batches_and_huge_batches_go_as_frames(
 ) -> None:
     # 1 KB batches make a 4 KiB ring; 100 KB needs a new one; 3 MB passes max_ring_bytes.
     sizes = [1000, 1000, 1000, 100_000, 1000, 3_000_000, 1000, 100_000]
-    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20)
+    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20, zero_copy=False)
     with RemoteLoader(served.address) as loader:
         received = []
         transports = []
@@ -268,7 +268,7 @@ def test_last_transport_is_the_handed_out_batchs_not_the_receivers_latest(
     # The receiver runs ahead of a slow training loop: while the loop holds batch 0 (from the
     # ring), batch 1 (over the ring's limit) may already have arrived as frames.
     sizes = [1000, 3_000_000, 1000]
-    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20)
+    served = serve_loaders(sizes_spec(sizes), max_ring_bytes=1 << 20, zero_copy=False)
     with RemoteLoader(served.address, device="cpu") as loader:
         transports = []
         for _ in loader:
@@ -278,20 +278,22 @@ def test_last_transport_is_the_handed_out_batchs_not_the_receivers_latest(
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("zero_copy", [False, True])
 def test_batches_that_grow_every_time_all_arrive_over_shared_memory(
-    serve_loaders: ServeLoaders, num_workers: int
+    serve_loaders: ServeLoaders, num_workers: int, zero_copy: bool
 ) -> None:
     # Issue 13's reproduction: each batch twice the last (padded NLP batches, curricula).
     sizes = [1000 << k for k in range(8)]
-    served = serve_loaders(sizes_spec(sizes, num_workers))
+    served = serve_loaders(sizes_spec(sizes, num_workers), zero_copy=zero_copy)
     with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
         received = list(loader)
         assert loader.last_transport == "shm"
     assert_same(received, expected(sizes))
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
 def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
-    serve_loaders: ServeLoaders,
+    serve_loaders: ServeLoaders, zero_copy: bool
 ) -> None:
     # Batches of 1, 2, 3, ... samples: the shape of a bucketing or curriculum batch sampler.
     served = serve_loaders(
@@ -301,7 +303,8 @@ def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
             dataset_kwargs={"sizes": [4000] * 36},
             batch_sampler="tests.datasets:GrowingBatches",
             num_workers=2,
-        )
+        ),
+        zero_copy=zero_copy,
     )
     with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
         received = list(loader)
@@ -332,7 +335,7 @@ def test_a_ring_the_client_cannot_open_falls_back_without_losing_a_batch(
     serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sizes = [200_000] * 10
-    served = serve_loaders(sizes_spec(sizes))
+    served = serve_loaders(sizes_spec(sizes), zero_copy=False)
     real = shm.RingReader.__init__
     opened = []
 
@@ -400,8 +403,12 @@ def test_a_killed_server_leaves_no_ring_behind() -> None:
             stop_process(proc)
 
 
-def test_a_killed_client_frees_its_ring_on_the_server(serve_loaders: ServeLoaders) -> None:
-    served = serve_loaders(sizes_spec([400_000] * 200))
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_killed_client_frees_its_ring_on_the_server(
+    serve_loaders: ServeLoaders, zero_copy: bool
+) -> None:
+    # Zero-copy, the ring is the stream's control ring, and its slot leases end with it.
+    served = serve_loaders(sizes_spec([400_000] * 200), zero_copy=zero_copy)
     script = (
         "import sys\n"
         "from remote_loader.client import RemoteLoader\n"

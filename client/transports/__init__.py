@@ -23,6 +23,7 @@ from remote_loader.protos import loader_pb2 as pb
 
 # Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
 from remote_loader.protos import shm as shm_protocol
+from remote_loader.protos import slots as slot_protocol
 
 __all__ = [
     "End",
@@ -41,9 +42,10 @@ class Transports:
     """What this client offers the streams of one epoch, less what it has given up on.
 
     `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for a data
-    connection to this host (the gRPC target's; None: never). `on_tcp_failed` is called when
-    one could not be made: the owner stops asking in later epochs (a firewall that drops the
-    connection would cost every epoch tcp.CONNECT_TIMEOUT).
+    connection to this host (the gRPC target's; None: never). `slot_maps`: the workers' slots
+    mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
+    owner stops asking in later epochs (a firewall that drops the connection would cost every
+    epoch tcp.CONNECT_TIMEOUT).
     """
 
     def __init__(
@@ -53,15 +55,19 @@ class Transports:
         use_shm: bool,
         tcp_host: str | None,
         on_tcp_failed: Callable[[], None] = lambda: None,
+        slot_maps: slot_protocol.SlotMaps | None = None,
     ) -> None:
         self._what = what
         self._use_shm = use_shm and shm_protocol.available()
         self._tcp_host = tcp_host
         self._on_tcp_failed = on_tcp_failed
+        # Workers' slots mapped by the streams (NOTE [ Zero-copy slots ]); the loader's, so that
+        # every epoch reads the same pool's slots through the same maps.
+        self._slot_maps = slot_maps if slot_maps is not None else slot_protocol.SlotMaps()
 
     def open(self, stopped: Callable[[], bool]) -> StreamEnds:
         """The ends of a new stream, with what its request offers; `stopped`: the receiver's."""
-        return StreamEnds(self._what, self._probe(), self._tcp_host, stopped)
+        return StreamEnds(self._what, self._probe(), self._tcp_host, stopped, self._slot_maps)
 
     def give_up(self, unusable: TransportUnusable) -> None:
         """Offers no more streams the transport `unusable` names."""
@@ -92,10 +98,11 @@ class StreamEnds:
         probe: shm_protocol.Probe | None,
         tcp_host: str | None,
         stopped: Callable[[], bool],
+        slot_maps: slot_protocol.SlotMaps | None = None,
     ) -> None:
         self._what = what
         self._inband = InbandEnd()
-        self._shm = ShmEnd(what, probe)
+        self._shm = ShmEnd(what, probe, slot_maps)
         self._tcp = TcpEnd(what, tcp_host, stopped)
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
 

@@ -1,37 +1,47 @@
-"""The shared-memory transport's receiving end: batches copied out of the stream's ring, for a
-client that proved it shares the server's /dev/shm (NOTE [ Shared-memory transport ] in
-remote_loader.protos.shm, which holds the ring and both ends' protocol).
+"""The shared-memory transport's receiving end: batches copied out of the workers' slots (NOTE
+[ Zero-copy slots ] in remote_loader.protos.slots) or out of the stream's ring (NOTE
+[ Shared-memory transport ] in remote_loader.protos.shm, which holds the ring and both ends'
+protocol), for a client that proved it shares the server's /dev/shm.
 """
 
 from __future__ import annotations
 
 from remote_loader.client.assembly import Assembly
-from remote_loader.client.errors import ProtocolError
+from remote_loader.client.errors import ConnectionLostError, ProtocolError
 from remote_loader.client.transports.base import TransportUnusable
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm
+from remote_loader.protos import shm, slots
 
 
 class ShmEnd:
     """Copies each batch out of the ring its Frame names and hands the ring's space back.
 
     `probe` is the offer this stream's request carries (None: shared memory not offered): the
-    server reads it, and removes it, to learn that this process shares its /dev/shm; `answered`
-    removes it too, in case the server never did. The ring is opened on the first batch that
-    names it, and again when the server moves the stream to a larger one.
+    server reads it, and removes it, to learn that this process shares its /dev/shm (and,
+    through /proc, its pid namespace); `answered` removes it too, in case the server never did.
+    The ring is opened on the first batch that names it, and again when the server moves the
+    stream to a larger one; a batch in a worker's slot names the stream's control ring.
     """
 
     name = "shm"
 
-    def __init__(self, what: str, probe: shm.Probe | None) -> None:
+    def __init__(
+        self, what: str, probe: shm.Probe | None, slot_maps: slots.SlotMaps | None = None
+    ) -> None:
         self._what = what
         self._probe = probe
         self._ring: shm.RingReader | None = None
+        self._control: shm.RingReader | None = None
+        # The slots this loader has mapped, kept across its streams (the same pool's slots serve
+        # every epoch); the owner closes them.
+        self._slots = slot_maps if slot_maps is not None else slots.SlotMaps()
 
     def offer(self) -> pb.ShmOffer | None:
         """What the stream's request says to offer shared memory; None: not offered."""
         probe = self._probe
-        return None if probe is None else pb.ShmOffer(probe=probe.name, nonce=probe.nonce)
+        if probe is None or probe.fd is None:
+            return None
+        return pb.ShmOffer(probe=probe.name, nonce=probe.nonce, pid=probe.pid, probe_fd=probe.fd)
 
     def answered(self) -> None:
         """The server answered the stream: it has read the probe, or never will."""
@@ -40,6 +50,8 @@ class ShmEnd:
             self._probe = None
 
     def fill(self, meta: pb.Frame, data: memoryview, assembly: Assembly) -> bool:
+        if meta.shm.HasField("slot"):
+            return self._fill_from_slot(meta, assembly)
         ref = meta.shm
         if self._ring is None or self._ring.name != ref.ring:
             if self._ring is not None:
@@ -58,12 +70,47 @@ class ShmEnd:
         self._ring.release(ref.release)
         return complete
 
+    def _fill_from_slot(self, meta: pb.Frame, assembly: Assembly) -> bool:
+        """Copies the batch out of its worker's slot, then releases it on the control ring."""
+        ref, slot = meta.shm, meta.shm.slot
+        if self._control is None or self._control.name != ref.ring:
+            if self._control is not None:
+                raise ProtocolError(f"{self._what}: a second control ring in one stream")
+            try:
+                self._control = shm.RingReader(ref.ring, ref.ring_bytes)
+            except shm.ShmUnavailable as exc:
+                raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
+        try:
+            whole = self._slots.view(slot.pid, slot.fd, slot.inode, slot.size)
+        except slots.SlotUnavailable as exc:
+            raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
+        if ref.offset < slots.SLOT_HEADER or ref.offset + meta.total_bytes > slot.size:
+            raise ProtocolError(
+                f"{self._what}: batch {meta.batch} at offset {ref.offset} of {meta.total_bytes} "
+                f"bytes lies outside its {slot.size}-byte slot"
+            )
+        try:
+            # NOTE [ Zero-copy slots ]: the generation before and after the copy tells a whole
+            # batch from a slot given back and rewritten under it (the server let go of a
+            # stream it thought over); a torn copy is never delivered.
+            slots.check_generation(whole, slot.generation)
+            complete = assembly.add(meta, whole[ref.offset : ref.offset + meta.total_bytes])
+            slots.check_generation(whole, slot.generation)
+        except slots.StaleSlot as exc:
+            raise ConnectionLostError(f"{self._what}: batch {meta.batch}: {exc}") from exc
+        finally:
+            del whole
+        self._control.release(ref.release)
+        return complete
+
     def beat(self) -> None:
-        if self._ring is not None:
-            self._ring.beat()
+        for ring in (self._ring, self._control):
+            if ring is not None:
+                ring.beat()
 
     def close(self) -> None:
         self.answered()
-        if self._ring is not None:  # each stream has its own ring
-            self._ring.close()
-            self._ring = None
+        for ring in (self._ring, self._control):  # each stream has its own rings
+            if ring is not None:
+                ring.close()
+        self._ring = self._control = None

@@ -62,6 +62,7 @@ def negotiate(
     chunk_size: int,
     shared: bool,
     max_ring_bytes: int,
+    zero_copy: bool = True,
     client_silence: float,
     listener: DataListener | None,
 ) -> Negotiated:
@@ -70,9 +71,9 @@ def negotiate(
     else Frames. `shared`: the stream's entries are read by several consumers (broadcast)."""
     inband = InbandSender(chunk_size, shared)
     if request.HasField("shm"):
-        ring = accept_offer(request.shm, max_ring_bytes, inband, client_silence)
+        ring = accept_offer(request.shm, max_ring_bytes, inband, client_silence, zero_copy)
         if ring is not None:
-            return Negotiated(ring, ring.name)
+            return Negotiated(ring, "shm (zero-copy)" if ring.zero_copy else ring.name)
     described = "grpc (shm offered, declined)" if request.HasField("shm") else "grpc"
     if request.tcp and listener is not None:
         return Negotiated(inband, "tcp", listener.expect())
@@ -101,6 +102,4 @@ def connect(
         timeout = tcp_protocol.ACCEPT_TIMEOUT
         log.warning("no data connection within %g s, sending Frames: %s", timeout, who)
         return negotiated.sender
-    inband = negotiated.sender
-    assert isinstance(inband, InbandSender)
-    return TcpSender(sock, inband.shared, client_silence)
+    return TcpSender(sock, client_silence)

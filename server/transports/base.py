@@ -46,7 +46,7 @@ class InbandSender:
     """Batches as Frames inside the gRPC stream (wire.batch_frames), cut at `chunk_size`.
 
     `shared`: the entries are read by several consumers (broadcast), so each entry's Frames are
-    built once and kept for all of them, and the worker's slot goes back at once."""
+    built once and kept for all of them."""
 
     name = "grpc"
 
@@ -59,9 +59,8 @@ class InbandSender:
         self.batches += 1
         if self.shared:
             return iter(entry.frames(batch, self.chunk_size))
-        blob = entry.delivery.blob
-        assert blob is not None, "an entry without an error has a blob"
-        return wire.batch_frames(batch, blob, entry.delivery.header_nbytes, self.chunk_size)
+        header_nbytes = entry.delivery.header_nbytes
+        return wire.batch_frames(batch, payload(entry), header_nbytes, self.chunk_size)
 
     def finish(self, stopped: Callable[[], bool]) -> None:
         pass
@@ -70,11 +69,10 @@ class InbandSender:
         pass
 
 
-def payload(entry: Entry, shared: bool) -> memoryview:
-    """The encoded batch to copy out of band: for entries several consumers read (broadcast),
-    the copy kept for all of them (the worker's slot goes back at once)."""
-    if shared:
-        return entry.blob()
+def payload(entry: Entry) -> memoryview:
+    """The encoded batch, where its worker wrote it: valid while the entry is being sent (the
+    policy releases it after that; a broadcast entry is read by every consumer from the same
+    slot, never copied for them)."""
     blob = entry.delivery.blob
     assert blob is not None, "an entry without an error has a blob"
     return blob

@@ -25,21 +25,18 @@ log = logging.getLogger(__name__)
 class TcpSender:
     """Sends a stream's batches on its data connection; owns the socket until `close()`.
 
-    `shared`: the entries are read by several consumers (broadcast): see transports.payload.
-    """
+    A batch goes straight from its worker's slot into the socket (a broadcast entry, too, for
+    every consumer: only the kernel's copy is paid per consumer)."""
 
     name = "tcp"
 
-    def __init__(
-        self, sock: socket.socket, shared: bool, client_silence: float = DEFAULT_CLIENT_SILENCE
-    ) -> None:
+    def __init__(self, sock: socket.socket, client_silence: float = DEFAULT_CLIENT_SILENCE) -> None:
         self.sock = sock
-        self.shared = shared
         self.client_silence = client_silence
         self.batches = 0  # sent on the data connection
 
     def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        view = payload(entry, self.shared)
+        view = payload(entry)
         # The Frame announcing that batch `batch` follows on the data connection goes first:
         # the client reads the socket only once it has it, so the order keeps both from waiting.
         yield wire.handle_frame(batch, len(view), entry.delivery.header_nbytes, on_tcp=True)

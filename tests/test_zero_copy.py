@@ -1,0 +1,265 @@
+"""Zero-copy slots (NOTE [ Zero-copy slots ] in protos/slots.py): a same-host client of the
+server's user and pid namespace reads each batch in the worker's slot; the server copies none.
+
+Unit tests of the generation seqlock and the client's slot maps, then real servers: the server
+never touches the ring's data, broadcast consumers read one slot, a slot rewritten under a copy
+is never delivered, and the ring is what a client in another pid namespace, a client that
+cannot open a slot, or a server with zero_copy = false gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from remote_loader.client import RemoteLoader
+from remote_loader.protos import shm, slots
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ServeLoaders, assert_same, subprocess_env
+
+
+def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name="sizes",
+        dataset="tests.datasets:Sizes",
+        dataset_kwargs={"sizes": sizes},
+        batch_size=None,
+        num_workers=num_workers,
+        **options,
+    )
+
+
+def expected(sizes: list[int]) -> list[torch.Tensor]:
+    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
+
+
+@pytest.fixture
+def ring_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The sizes of the batches the (in-process) server copied into a ring."""
+    copies: list[int] = []
+    real = shm.RingWriter.place
+
+    def counting(self: shm.RingWriter, blob: memoryview, *args: Any, **kwargs: Any) -> Any:
+        copies.append(len(blob))
+        return real(self, blob, *args, **kwargs)
+
+    monkeypatch.setattr(shm.RingWriter, "place", counting)
+    yield copies
+
+
+# --- the seqlock and the maps ----------------------------------------------------------------
+
+
+def test_the_generation_tells_a_whole_batch_from_a_slot_rewritten_under_a_copy(
+    tmp_path: Any,
+) -> None:
+    path = tmp_path / "slot"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        writer = np.memmap(path, dtype=np.uint8, mode="r+")
+        generation = slots.begin_write(writer.data)
+        assert generation % 2 == 0 and slots.generation(writer.data) == generation - 1
+        writer[slots.SLOT_HEADER : slots.SLOT_HEADER + 4] = [1, 2, 3, 4]
+        slots.end_write(writer.data, generation)
+
+        maps = slots.SlotMaps()
+        inode = os.fstat(fd).st_ino
+        view = maps.view(os.getpid(), fd, inode, 4096)
+        slots.check_generation(view, generation)  # whole: no error
+        assert bytes(view[slots.SLOT_HEADER : slots.SLOT_HEADER + 4]) == b"\x01\x02\x03\x04"
+        again = slots.begin_write(writer.data)  # the worker reuses the slot mid-copy
+        with pytest.raises(slots.StaleSlot, match="rewritten"):
+            slots.check_generation(view, generation)
+        slots.end_write(writer.data, again)
+        with pytest.raises(slots.StaleSlot):
+            slots.check_generation(view, generation)  # a later batch is still not this one
+        del view
+        maps.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_slot_map_refuses_a_descriptor_that_is_not_the_named_file(tmp_path: Any) -> None:
+    (tmp_path / "a").write_bytes(bytes(128))
+    fd = os.open(tmp_path / "a", os.O_RDONLY)
+    try:
+        maps = slots.SlotMaps()
+        inode = os.fstat(fd).st_ino
+        with pytest.raises(slots.SlotUnavailable, match="not the slot"):
+            maps.view(os.getpid(), fd, inode + 1, 128)  # the number was reused for another file
+        with pytest.raises(slots.SlotUnavailable, match="not the slot"):
+            maps.view(os.getpid(), fd, inode, 256)
+        with pytest.raises(slots.SlotUnavailable, match="cannot open"):
+            maps.view(os.getpid(), 10_000, inode, 128)
+        assert len(maps.view(os.getpid(), fd, inode, 128)) == 128
+        maps.close()
+    finally:
+        os.close(fd)
+
+
+# --- over a real server ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_same_host_client_reads_the_workers_slots_and_the_server_copies_nothing(
+    serve_loaders: ServeLoaders, ring_copies: list[int], num_workers: int
+) -> None:
+    sizes = [300_000, 10, 2_000_000, 300_000] * 4  # slots reused, dropped and made again
+    served = serve_loaders(sizes_spec(sizes, num_workers))
+    with RemoteLoader(served.address, device="cpu") as loader:
+        for _ in range(2):  # a second epoch reads the same slots
+            assert_same(list(loader), expected(sizes))
+            assert loader.last_transport == "shm"
+    assert ring_copies == []
+
+
+def test_zero_copy_false_copies_every_batch_into_the_ring(
+    serve_loaders: ServeLoaders, ring_copies: list[int]
+) -> None:
+    sizes = [300_000] * 6
+    served = serve_loaders(sizes_spec(sizes), zero_copy=False)
+    with RemoteLoader(served.address, device="cpu") as loader:
+        assert_same(list(loader), expected(sizes))
+        assert loader.last_transport == "shm"
+    assert len(ring_copies) == len(sizes)
+
+
+def test_in_process_loading_has_no_slots_and_uses_the_ring(
+    serve_loaders: ServeLoaders, ring_copies: list[int]
+) -> None:
+    sizes = [300_000] * 4
+    served = serve_loaders(sizes_spec(sizes, num_workers=0))
+    with RemoteLoader(served.address, device="cpu") as loader:
+        assert_same(list(loader), expected(sizes))
+    assert len(ring_copies) == len(sizes)
+
+
+def test_broadcast_consumers_read_one_slot_per_batch_and_the_server_copies_nothing(
+    serve_loaders: ServeLoaders, ring_copies: list[int]
+) -> None:
+    sizes = [500_000] * 24
+    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
+    results: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def consume(rank: int) -> None:
+        try:
+            with RemoteLoader(
+                served.address, sharing="broadcast", rank=rank, world_size=4, device="cpu"
+            ) as loader:
+                results[rank] = list(loader)
+                assert loader.last_transport == "shm"
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for got in results:
+        assert_same(got, expected(sizes))
+    assert ring_copies == []
+
+
+def test_a_slot_rewritten_under_the_copy_is_resumed_not_delivered(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = [200_000] * 12
+    served = serve_loaders(sizes_spec(sizes))
+    real = slots.check_generation
+    checks = [0]
+
+    def rewritten_once(slot: memoryview, generation: int) -> None:
+        checks[0] += 1
+        if checks[0] == 10:  # the check after batch 4's copy: as if its worker wrote there
+            raise slots.StaleSlot("the slot was rewritten (simulated)")
+        real(slot, generation)
+
+    monkeypatch.setattr(slots, "check_generation", rewritten_once)
+    with RemoteLoader(served.address, device="cpu", retries=2) as loader:
+        assert_same(list(loader), expected(sizes))  # every batch once, in order, none torn
+        assert loader.last_transport == "shm"
+    assert checks[0] > 10
+
+
+def test_a_slot_the_client_cannot_open_falls_back_without_losing_a_batch(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = [200_000] * 10
+    served = serve_loaders(sizes_spec(sizes))
+    real = slots.SlotMaps._open
+    opened = [0]
+
+    def refuse_after_the_first(*args: Any) -> Any:
+        opened[0] += 1
+        if opened[0] > 1:  # e.g. the server's descriptors went with a restarted server
+            raise slots.SlotUnavailable("cannot open the server's slot: Permission denied")
+        return real(*args)
+
+    monkeypatch.setattr(slots.SlotMaps, "_open", staticmethod(refuse_after_the_first))
+    with RemoteLoader(served.address, device="cpu") as loader:
+        received = list(loader)
+        assert loader.last_transport == "tcp"  # the next transport "auto" tries
+    assert_same(received, expected(sizes))
+
+
+@pytest.mark.timeout(120)
+def test_a_client_in_another_pid_namespace_gets_the_ring(serve_loaders: ServeLoaders) -> None:
+    # A container that shares /dev/shm but not the pid namespace: the server cannot find the
+    # probe under the client's pid, so it copies into a ring the client can open.
+    unshare = shutil.which("unshare")
+    assert unshare is not None and os.geteuid() == 0, "needs root and util-linux's unshare"
+    sizes = [300_000] * 6
+    served = serve_loaders(sizes_spec(sizes))
+    script = (
+        "import json, sys\n"
+        "from remote_loader.client import RemoteLoader\n"
+        "with RemoteLoader(sys.argv[1], device='cpu') as loader:\n"
+        "    sums = [int(b.sum()) for b in loader]\n"
+        "    print(json.dumps([sums, loader.last_transport, len(loader._slot_maps._maps)]))\n"
+    )
+    out = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", script, served.address],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=subprocess_env(),
+        check=True,
+    ).stdout
+    sums, transport, mapped = json.loads(out.strip().splitlines()[-1])
+    assert sums == [int(t.sum()) for t in expected(sizes)]
+    assert transport == "shm" and mapped == 0  # through the ring: no slot was mapped
+
+
+def test_slots_go_back_to_the_workers_when_a_client_stops_mid_epoch(
+    serve_loaders: ServeLoaders,
+) -> None:
+    # A client that leaves with batches leased: the stream's end gives them back to the
+    # persistent pool, which would otherwise make new slots for every client.
+    sizes = [400_000] * 40
+    served = serve_loaders(
+        sizes_spec(sizes, num_workers=1, prefetch_factor=2, persistent_workers=True)
+    )
+    for _ in range(6):
+        with RemoteLoader(served.address, device="cpu", prefetch=1) as loader:
+            it = iter(loader)
+            for _ in range(3):
+                next(it)
+    with RemoteLoader(served.address, device="cpu") as loader:
+        assert_same(list(loader), expected(sizes))
+    pool: Any = served.hosts["sizes"]._persistent
+    # At most its tasks in flight (2), a stream's leases (4) and the lane's window of batches.
+    assert len(pool._slots._views) <= 8, len(pool._slots._views)
