@@ -21,6 +21,7 @@ from remote_loader.client.errors import (
 )
 from remote_loader.client.receiver import DEFAULT_BACKOFF
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
+from remote_loader.protos import compression as compression_module
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.protos.slots import SlotMaps
@@ -69,6 +70,11 @@ class RemoteLoader:
             none with TLS), else inside the gRPC stream; "tcp" skips shared memory; "grpc"
             always streams them inside gRPC messages. Each falls back on its own, losing and
             repeating nothing. See `last_transport`.
+        compression: "lz4" or "zstd": the server's workers compress each tensor that shrinks
+            and this client decompresses it, for links slower than decompression (about 1-10
+            Gbit/s); "none" (the default): the bytes as they are, what shared memory and fast
+            links want. A server without the codec's package sends them uncompressed. All
+            consumers of a job should ask alike: each choice is a production of its own.
 
     Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
     """
@@ -91,6 +97,7 @@ class RemoteLoader:
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
         transport: str = "auto",
+        compression: str = "none",
         token: str | None = None,
         tls: bool | TLS | None = None,
     ) -> None:
@@ -106,6 +113,12 @@ class RemoteLoader:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        self.compression = compression_module.check(compression)  # raises ValueError
+        if self.compression and not compression_module.available(self.compression):
+            raise ValueError(
+                f"compression={compression!r} needs its package here to decompress the "
+                f"batches: {compression_module.install_hint(self.compression)}"
+            )
         if sharing not in SHARING_MODES:
             raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
         if job is not None and not isinstance(job, str):
@@ -281,6 +294,7 @@ class RemoteLoader:
             epoch=self._epoch,
             consumer=self._consumer(),
             fingerprint=self.info.fingerprint,
+            compression=self.compression,
         )
         if self.seed is not None:
             request.seed = self.seed

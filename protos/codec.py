@@ -28,7 +28,8 @@ import torch
 from google.protobuf.message import DecodeError as _ProtobufDecodeError
 
 # Relative: mypy cannot follow the editable install's import hook to remote_loader.protos.
-from remote_loader.protos import loader_pb2
+from remote_loader.protos import compression, loader_pb2
+from remote_loader.protos.compression import Compressor
 
 __all__ = ["ALIGN", "DecodeError", "EncodeError", "Encoded", "decode", "decode_blob", "encode"]
 
@@ -177,9 +178,26 @@ def _copy_tensor(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, compressor: Compressor | None = None) -> None:
         self.leaves: list[_Leaf] = []
         self.cursor = 0  # always the end of the last leaf: the payload's length so far
+        self.compressor = compressor
+        self.arrays = 0  # tensor and array leaves so far: a leaf's number for the compressor
+
+    def array_leaf(
+        self, msg: loader_pb2.Tensor, nbytes: int, source: torch.Tensor | np.ndarray
+    ) -> None:
+        """A tensor or array leaf: compressed when a compressor is given and it pays (NOTE
+        [ Compression ] in protos/compression.py)."""
+        number, self.arrays = self.arrays, self.arrays + 1
+        if self.compressor is not None and nbytes:
+            packed = self.compressor.compress(number, compression.leaf_bytes(source))
+            if packed is not None:
+                msg.compression = self.compressor.name
+                msg.raw_nbytes = nbytes
+                self.leaf(msg, len(packed), packed)
+                return
+        self.leaf(msg, nbytes, source)
 
     def leaf(self, msg: loader_pb2.Tensor, nbytes: int, source: _Source) -> None:
         offset = -(-self.cursor // ALIGN) * ALIGN
@@ -240,7 +258,7 @@ class _Encoder:
         t = t.detach()
         msg.dtype = str(t.dtype).removeprefix("torch.")
         msg.shape.extend(t.shape)
-        self.leaf(msg, t.numel() * t.element_size(), t)
+        self.array_leaf(msg, t.numel() * t.element_size(), t)
 
     def ndarray(self, msg: loader_pb2.Tensor, a: np.ndarray | np.generic, path: str) -> None:
         if isinstance(a, np.ma.MaskedArray):
@@ -256,7 +274,7 @@ class _Encoder:
         arr = np.asarray(a)
         msg.dtype = arr.dtype.str
         msg.shape.extend(arr.shape)
-        self.leaf(msg, arr.nbytes, arr)
+        self.array_leaf(msg, arr.nbytes, arr)
 
 
 def _encode_scalar(node: loader_pb2.Node, obj: object, path: str) -> bool:
@@ -298,9 +316,12 @@ def _encode_key(node: loader_pb2.Node, key: object, path: str, depth: int) -> No
         raise EncodeError(f"cannot encode a dict key of type {kind} in {path}; {_SUPPORTED_KEYS}")
 
 
-def encode(obj: object) -> Encoded:
-    """Describe `obj` as a header and record its leaves; no tensor data is copied."""
-    encoder = _Encoder()
+def encode(obj: object, compressor: Compressor | None = None) -> Encoded:
+    """Describe `obj` as a header and record its leaves; no tensor data is copied (but for the
+    leaves `compressor` compresses)."""
+    if compressor is not None:
+        compressor.next_batch()
+    encoder = _Encoder(compressor)
     root = loader_pb2.Node()
     encoder.value(root, obj, "batch", 0)
     return Encoded(root.SerializeToString(), encoder.cursor, tuple(encoder.leaves))
@@ -355,6 +376,11 @@ class _Decoder:
         if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
             raise DecodeError(f"unknown torch dtype {msg.dtype!r} in header")
         shape = _checked_shape(msg, dtype.itemsize)
+        if msg.compression:
+            self.check_range(msg, self.payload.numel())
+            data = torch.frombuffer(self.unpacked(msg), dtype=torch.uint8)
+            tensor = data.view(dtype).view(shape)
+            return tensor.to(self.tensor_base.device)
         self.check_range(msg, self.limit)
         raw = self.tensor_base[msg.offset : msg.offset + msg.nbytes]
         try:
@@ -371,22 +397,34 @@ class _Decoder:
             raise DecodeError(f"numpy dtype {msg.dtype!r} in header is not a bool or numeric dtype")
         shape = _checked_shape(msg, dtype.itemsize)
         self.check_range(msg, self.payload.numel())
+        if msg.compression:
+            unpacked: np.ndarray = np.frombuffer(self.unpacked(msg), dtype=dtype).reshape(shape)
+            return unpacked
         raw = self.payload_np[msg.offset : msg.offset + msg.nbytes]
         view: np.ndarray = raw.view(dtype).reshape(shape)
         return view
 
+    def unpacked(self, msg: loader_pb2.Tensor) -> bytearray:
+        """A compressed leaf's bytes (range already checked)."""
+        packed = self.payload_np[msg.offset : msg.offset + msg.nbytes]
+        try:
+            return compression.decompress(msg.compression, packed.data, msg.raw_nbytes)
+        except compression.CompressionError as exc:
+            raise DecodeError(str(exc)) from exc
+
 
 def _checked_shape(msg: loader_pb2.Tensor, itemsize: int) -> tuple[int, ...]:
     shape = tuple(msg.shape)
+    nbytes = msg.raw_nbytes if msg.compression else msg.nbytes
     numel = 1
     for dim in shape:
         if dim < 0:
             raise DecodeError(f"negative dimension in shape {list(shape)}")
         numel *= dim
-    if numel * itemsize != msg.nbytes:
+    if numel * itemsize != nbytes:
         raise DecodeError(
             f"shape {list(shape)} of {itemsize}-byte elements needs {numel * itemsize} bytes, "
-            f"header says {msg.nbytes}"
+            f"header says {nbytes}"
         )
     return shape
 

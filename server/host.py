@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.backends import Pool, make_pool
 from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
@@ -75,10 +76,12 @@ class InlineEngine:
         self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._queue: collections.deque[tuple[int, Any, int | None]] = collections.deque()
         self._fetcher: Fetcher | None = None
+        self._compressor: Compressor | None = None
         self.outstanding = 0
 
-    def begin_epoch(self, base_seed: int) -> None:
+    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
         seed_rngs(base_seed, 0)
+        self._compressor = compressor_for(compression)
         collate_fn = self._batching.collate_fn(self._spec)
         self._fetcher = Fetcher(self._dataset, self._batching, collate_fn)
         self._queue.clear()
@@ -99,7 +102,9 @@ class InlineEngine:
         task_id, indices, seed = self._queue.popleft()
         self.outstanding -= 1
         started = time.monotonic()
-        made = make_batch(self._fetcher, indices, seed, self._max_batch_bytes, INLINE)
+        made = make_batch(
+            self._fetcher, indices, seed, self._max_batch_bytes, INLINE, self._compressor
+        )
         if made.error is None and made.encoded is None:
             return Outcome(task_id, None)  # the IterableDataset ran dry
         self._metrics.make.observe(time.monotonic() - started)
@@ -212,13 +217,15 @@ class LoaderHost:
         epoch: int,
         start: int = 0,
         reshard: Reshard | None = None,
+        compression: str = "",
     ) -> Consumer:
         """A consumer of this epoch from position `start` (NOTE [ Sharing ], server/sharing.py;
-        `reshard`: NOTE [ Elastic resume ], server/elastic.py)."""
+        `reshard`: NOTE [ Elastic resume ], server/elastic.py; `compression`: NOTE
+        [ Compression ], protos/compression.py)."""
         with self._cond:
             if self._closed:
                 raise ClosingError(f"loader {self.spec.name!r} is shutting down")
-        return self.runs.attach(membership, seed, epoch, start, reshard)
+        return self.runs.attach(membership, seed, epoch, start, reshard, compression)
 
     def start(self) -> None:
         """Starts the persistent workers, if the spec asks for them (before the gRPC server)."""

@@ -163,6 +163,7 @@ class WorkerPool(ResizablePool):
         # and the tasks submitted and not yet polled back (server/supervision.py).
         self._key = -1
         self._base_seed = 0
+        self._compression = ""
         self._active: list[bool] = []
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
@@ -238,15 +239,17 @@ class WorkerPool(ResizablePool):
 
     # --- one epoch (called by the Run's thread only) -------------------------------------
 
-    def begin_epoch(self, base_seed: int) -> None:
-        """Reseeds the workers and restarts their dataset iterators for a new epoch."""
+    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
+        """Reseeds the workers and restarts their dataset iterators for a new epoch, whose
+        batches they compress with `compression` ("": none; NOTE [ Compression ])."""
         if self._closed:
             raise RuntimeError("this worker pool has been shut down")
         self._key = next(self._epoch_keys)
         self._base_seed = base_seed
+        self._compression = compression
         self._current_epoch.value = self._key
         for q in self._index_queues:
-            q.put(EpochStart(epoch_key=self._key, base_seed=base_seed))
+            q.put(self._epoch_start())
         # A worker being drained by autotuning is kept: the new epoch may use it again.
         self._resized()
         self._ledger.begin_epoch()
@@ -267,6 +270,9 @@ class WorkerPool(ResizablePool):
             if self._active[worker_id]:
                 return worker_id
         return None
+
+    def _epoch_start(self) -> EpochStart:
+        return EpochStart(self._key, self._base_seed, self._compression)
 
     def _send(self, pending: PendingTask) -> None:
         w = pending.worker_id
@@ -442,7 +448,7 @@ class WorkerPool(ResizablePool):
         self._making[worker_id] = making
         self._results[worker_id] = results
         if self._key >= 0 and self._current_epoch.value == self._key:
-            index_queue.put(EpochStart(epoch_key=self._key, base_seed=self._base_seed))
+            index_queue.put(self._epoch_start())
         reissue = self._ledger.worker_died(worker_id, dying_on, reason)
         for pending in reissue.tasks:
             self._send(pending)

@@ -44,6 +44,7 @@ class ResizablePool(Tuned):
     _current_epoch: Any
     _key: int
     _base_seed: int
+    _compression: str
 
     def _new_tuner(self, spec: LoaderSpec) -> WorkerTuner | None:
         """The pool's tuner with num_workers or prefetch_factor = "auto", else None."""
@@ -66,7 +67,7 @@ class ResizablePool(Tuned):
         self._results.append(results)
         self._resized()
         if self._key >= 0 and self._current_epoch.value == self._key:
-            index_queue.put(EpochStart(epoch_key=self._key, base_seed=self._base_seed))
+            index_queue.put(EpochStart(self._key, self._base_seed, self._compression))
 
     def _remove_last(self) -> None:
         self._index_queues.pop().put(None)

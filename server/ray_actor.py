@@ -23,6 +23,7 @@ import torch
 import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
+from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 from remote_loader.server.worker import (
@@ -68,6 +69,7 @@ class RayWorker:
         self.fetcher: Fetcher | None = None
         self.initialized = False
         self.epoch_key = -1
+        self.compressor: Compressor | None = None
         try:
             self.dataset = build_dataset(spec)
             self.collate_fn = batching.collate_fn(spec)
@@ -80,9 +82,10 @@ class RayWorker:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def begin_epoch(self, epoch_key: int, base_seed: int) -> None:
+    def begin_epoch(self, epoch_key: int, base_seed: int, compression: str = "") -> None:
         """Reseeds and restarts iteration, as a worker process does on EpochStart."""
         self.epoch_key = epoch_key
+        self.compressor = compressor_for(compression)
         if self.init_error is not None:
             return
         seed = seed_rngs(base_seed, self.worker_id)
@@ -106,7 +109,9 @@ class RayWorker:
             raise RuntimeError(f"task of epoch {epoch_key} sent to a worker in {self.epoch_key}")
         assert self.fetcher is not None
         started = time.monotonic()
-        made = make_batch(self.fetcher, indices, seed, self.max_batch_bytes, self.where)
+        made = make_batch(
+            self.fetcher, indices, seed, self.max_batch_bytes, self.where, self.compressor
+        )
         if made.error is not None:
             return (ERROR, made.error, started, time.monotonic())
         if made.encoded is None:

@@ -60,6 +60,11 @@ class BridgeConfig:
 class Begin:
     epoch_key: int
     base_seed: int
+    compression: str = ""
+
+    def args(self) -> tuple[int, int, str]:
+        """RayWorker.begin_epoch's arguments."""
+        return (self.epoch_key, self.base_seed, self.compression)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +198,7 @@ class _Bridge:
             while len(self.actors) < workers:
                 actor = self.new_actor(len(self.actors), workers)
                 if self.epoch is not None:
-                    actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+                    actor.begin_epoch.remote(*self.epoch.args())
                 self.actors.append(actor)
                 self.generations.append(0)
 
@@ -217,7 +222,7 @@ class _Bridge:
             self.generations[worker_id] += 1
             actor = self.actors[worker_id] = self.new_actor(worker_id)
             if self.epoch is not None:
-                started = actor.begin_epoch.remote(self.epoch.epoch_key, self.epoch.base_seed)
+                started = actor.begin_epoch.remote(*self.epoch.args())
             else:
                 started = actor.node.remote()
             generation = self.generations[worker_id]
@@ -285,7 +290,7 @@ class _Bridge:
                 with self.lock:
                     self.epoch = command
                     for actor in self.actors:
-                        actor.begin_epoch.remote(command.epoch_key, command.base_seed)
+                        actor.begin_epoch.remote(*command.args())
             elif isinstance(command, Send):
                 self.submit(command.worker_id, command.task)
             elif isinstance(command, Resize):

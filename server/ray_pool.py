@@ -188,11 +188,11 @@ class RayPool(Tuned):
 
     # --- one epoch (the Run's thread) ----------------------------------------------------
 
-    def begin_epoch(self, base_seed: int) -> None:
+    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
         if self._closed:
             raise RuntimeError("this Ray pool has been shut down")
         self._key = next(self._epoch_keys)
-        self._command(Begin(self._key, base_seed))
+        self._command(Begin(self._key, base_seed, compression))
         self._active = [True] * self.num_workers  # a drained last actor may serve again
         self.max_outstanding = max(1, self.prefetch * self.num_workers)
         self._turn = 0

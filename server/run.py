@@ -160,6 +160,9 @@ class RunKey:
     # An epoch finished by another world size than the one that began it (server/elastic.py):
     # its shares differ from an ordinary epoch's, so it is a Run of its own.
     reshard: Reshard | None = None
+    # What the workers compress the batches with ("": nothing; NOTE [ Compression ]): made
+    # differently, so a Run of its own too.
+    compression: str = ""
 
 
 class Run:
@@ -265,7 +268,7 @@ class Run:
                 with self.cond:
                     self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                     self.policy.set_window(self._window)
-                engine.begin_epoch(self.plan.base_seed)
+                engine.begin_epoch(self.plan.base_seed, self.key.compression)
                 try:
                     while self._step(engine):
                         pass

@@ -19,8 +19,8 @@ from typing import NoReturn
 
 import grpc
 
+from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, wire
 from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import (
     ClosingError,
@@ -227,6 +227,11 @@ class LoaderService:
             problem = check_positions(host, membership, request.epoch, request.start, seed, reshard)
         except ReshardError as exc:
             problem = f"cannot resume this epoch on world_size {membership.world_size}: {exc}"
+        if problem is None:
+            try:
+                compression.check(request.compression)
+            except ValueError as exc:
+                problem = str(exc)
         if problem is not None:
             raise RequestInvalid(problem)
         return host, membership, seed, reshard
@@ -249,6 +254,7 @@ class LoaderService:
             job=membership.job,
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
+            compression=request.compression or "none",
         )
         shared = policy_for(membership.sharing).shares_entries
         negotiated = negotiate(
@@ -272,7 +278,9 @@ class LoaderService:
                 if connected is None:
                     return
                 sender = connected
-            consumer = host.attach(membership, seed, request.epoch, start, reshard)
+            consumer = host.attach(
+                membership, seed, request.epoch, start, reshard, _compression(request)
+            )
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
@@ -352,6 +360,21 @@ def _send_epoch(
         consumer.sent(entry)  # metrics: batches, bytes or errors served
         progress.batches += 1
     return True
+
+
+def _compression(request: pb.StreamRequest) -> str:
+    """The codec the stream's workers use (NOTE [ Compression ]): the one asked for, or none
+    when this server lacks its package (the client decodes whatever each batch says)."""
+    name = compression.check(request.compression)
+    if name and not compression.available(name):
+        log.warning(
+            "a stream asked for %s compression, which this server cannot do (%s): sending "
+            "its batches uncompressed",
+            name,
+            compression.install_hint(name),
+        )
+        return ""
+    return name
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded

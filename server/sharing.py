@@ -97,10 +97,12 @@ class Runs:
         epoch: int,
         start: int = 0,
         reshard: Reshard | None = None,
+        compression: str = "",
     ) -> Consumer:
         """A consumer from position `start` of the Run it joins (see NOTE [ Sharing ]),
         started if new. `reshard`: the epoch was begun by a job of another world size
-        (partition; NOTE [ Elastic resume ])."""
+        (partition; NOTE [ Elastic resume ]). `compression`: what the workers compress the
+        batches with (NOTE [ Compression ])."""
         policy = policy_for(membership.sharing)
         key = RunKey(
             membership.sharing,
@@ -109,6 +111,7 @@ class Runs:
             epoch,
             policy.run_world_size(membership),
             reshard,
+            compression,
         )
         with self._lock:
             for run in reversed(self._runs.get(key, [])):

@@ -23,6 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos import codec
 from remote_loader.protos import slots as slot_protocol
+from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 
@@ -103,6 +104,9 @@ class EpochStart:
 
     epoch_key: int
     base_seed: int
+    # "lz4" / "zstd": compress the epoch's leaves that shrink (NOTE [ Compression ] in
+    # protos/compression.py); "": none.
+    compression: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +335,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     where = f"in DataLoader worker process {cfg.worker_id}"
     init_error: RemoteError | None = None
     fetcher: Fetcher | None = None
+    compressor: Compressor | None = None
     dataset: Any = None
     collate_fn: Callable[[Any], Any] | None = None
     try:
@@ -364,6 +369,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 initialized = True
                 assert collate_fn is not None
                 fetcher = Fetcher(dataset, cfg.batching, collate_fn)
+                compressor = compressor_for(msg.compression)
             except Exception as exc:
                 init_error = RemoteError.capture(where, exc)
             continue
@@ -371,7 +377,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:
             continue  # an abandoned epoch: the server no longer waits for this result
         cfg.current_task.value = msg.task_id
-        result = _run_task(cfg, msg, fetcher, slots, init_error, where)
+        result = _run_task(cfg, msg, fetcher, slots, init_error, where, compressor)
         cfg.current_task.value = -1
         try:
             cfg.results.send(result)
@@ -391,11 +397,17 @@ class Made:
 
 
 def make_batch(
-    fetcher: Fetcher, indices: Any, seed: int | None, max_batch_bytes: int, where: str
+    fetcher: Fetcher,
+    indices: Any,
+    seed: int | None,
+    max_batch_bytes: int,
+    where: str,
+    compressor: Compressor | None = None,
 ) -> Made:
     """One task, the same in a worker process and inline (num_workers=0): seed the RNGs (with
-    seeding = "per_batch"), fetch and collate, encode, check the size. The size is checked
-    before anything takes a shared-memory slot: an oversized batch never reaches it."""
+    seeding = "per_batch"), fetch and collate, encode (compressing the leaves that shrink when
+    the epoch asks), check the size. The size is checked before anything takes a
+    shared-memory slot: an oversized batch never reaches it."""
     if seed is not None:
         seed_rngs(seed, 0)
     try:
@@ -405,7 +417,7 @@ def make_batch(
     except Exception as exc:
         return Made(error=RemoteError.capture(where, exc))
     try:
-        encoded = codec.encode(batch)
+        encoded = codec.encode(batch, compressor)
         check_batch_size(encoded.total_nbytes, max_batch_bytes)
     except Exception as exc:
         return Made(error=RemoteError.capture(f"encoding a batch {where}", exc))
@@ -419,6 +431,7 @@ def _run_task(
     slots: _Slots,
     init_error: RemoteError | None,
     where: str,
+    compressor: Compressor | None,
 ) -> Result:
     started = time.monotonic()
 
@@ -436,7 +449,7 @@ def _run_task(
     if init_error is not None:
         return base(error=init_error, fatal=True)
     assert fetcher is not None
-    made = make_batch(fetcher, task.indices, task.seed, cfg.max_batch_bytes, where)
+    made = make_batch(fetcher, task.indices, task.seed, cfg.max_batch_bytes, where, compressor)
     if made.error is not None:
         return base(error=made.error)
     if made.encoded is None:

@@ -47,7 +47,7 @@ class FakeEngine:
         with self._lock:
             return len(self._pending)
 
-    def begin_epoch(self, base_seed: int) -> None:
+    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
         pass
 
     def end_epoch(self) -> None:
