@@ -2,11 +2,13 @@
 
 With `sharing="broadcast"` every consumer of a job receives the identical sequence of batches,
 and each batch is loaded, collated and encoded once for all of them; only sending it is paid
-per consumer. This benchmark starts `remote-loader serve` as a separate process (persistent
+per consumer (same host, zero-copy: a small message; over a data connection: the kernel's copy
+into the socket). This benchmark starts `remote-loader serve` as a separate process (persistent
 workers) on a workload from benchmarks/workloads.py (or the built-in demo image folder) and
-`--consumers` consumer processes (spawn), each a `RemoteLoader` on the CPU. After one untimed
-warm-up epoch read by all of them, every round reads `--epochs` epochs twice, each time as a
-fresh production (a job name of its own):
+max(`--consumers`) consumer processes (spawn), each a `RemoteLoader` on the CPU with
+`--transport` ("auto": shared memory here; "tcp": a data connection, as from another host).
+After one untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a
+fresh production (a job name of its own) for 1 consumer and then for each N of `--consumers`:
 
   (a) 1 consumer:  sharing="broadcast", world_size=1
   (b) N consumers: sharing="broadcast", world_size=N, ranks 0..N-1, one job
@@ -20,8 +22,9 @@ server CPU ratio is at most 1.3.
 
 Run from the repository root:
 
-    python benchmarks/broadcast.py [--workload heavy|images|demo] [--consumers 4] [--epochs 2]
-                                   [--rounds 3] [--batch-size 64] [--workers 2] [--samples N]
+    python benchmarks/broadcast.py [--workload heavy|images|demo] [--consumers 2,4,8]
+                                   [--transport auto|tcp|grpc] [--epochs 2] [--rounds 3]
+                                   [--batch-size 64] [--workers 2] [--samples N]
     python benchmarks/broadcast.py --quick      # smoke run: 1 epoch, 1 round, few samples
 """
 
@@ -66,6 +69,7 @@ WORKLOADS = {
     "demo": DEMO_DATASET,
 }
 TARGET_RATIO = 1.3
+TARGET_CONSUMERS = 4  # the target is for 4 consumers
 # Seconds a consumer may wait for one batch, and for the server when it connects.
 BATCH_TIMEOUT = 300.0
 CONNECT_TIMEOUT = 60.0
@@ -157,6 +161,7 @@ class Order:
     world_size: int
     first_epoch: int
     epochs: int
+    transport: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +171,7 @@ class Report:
     batches: tuple[int, ...]
     digest: str
     seconds: float
+    transport: str | None  # how the last batch came
 
 
 def consumer_main(conn: multiprocessing.connection.Connection, address: str) -> None:
@@ -184,6 +190,7 @@ def consumer_main(conn: multiprocessing.connection.Connection, address: str) -> 
                     rank=order.rank,
                     world_size=order.world_size,
                     device="cpu",
+                    transport=order.transport,
                     timeout=BATCH_TIMEOUT,
                     connect_timeout=CONNECT_TIMEOUT,
                 ) as loader:
@@ -200,9 +207,11 @@ def consumer_main(conn: multiprocessing.connection.Connection, address: str) -> 
                             _digest_update(digest, batch)
                             n += 1
                         counts.append(n)
-                    conn.send(
-                        Report(tuple(counts), digest.hexdigest(), time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
+                    report = Report(
+                        tuple(counts), digest.hexdigest(), seconds, loader.last_transport
                     )
+                    conn.send(report)
         except (KeyboardInterrupt, EOFError, BrokenPipeError):
             return  # the benchmark is stopping
         except Exception:
@@ -328,28 +337,30 @@ class Production:
     def digests(self) -> set[str]:
         return {r.digest for r in self.reports}
 
+    @property
+    def transports(self) -> set[str | None]:
+        return {r.transport for r in self.reports}
+
 
 @dataclasses.dataclass(frozen=True)
 class Round:
     single: Production
-    group: Production
+    groups: dict[int, Production]  # by number of consumers
 
-    @property
-    def cpu_ratio(self) -> float:
-        return ratio(self.group.cpu.total, self.single.cpu.total)
+    def cpu_ratio(self, n: int) -> float:
+        return ratio(self.groups[n].cpu.total, self.single.cpu.total)
 
-    @property
-    def wall_ratio(self) -> float:
-        return ratio(self.group.wall, self.single.wall)
+    def wall_ratio(self, n: int) -> float:
+        return ratio(self.groups[n].wall, self.single.wall)
 
-    @property
-    def same_batches(self) -> bool:
+    def same_batches(self, n: int) -> bool:
         """Every consumer of both productions got the identical sequence of batches."""
+        group = self.groups[n]
         return (
             self.single.same_count
-            and self.group.same_count
-            and self.single.batches == self.group.batches
-            and len(self.single.digests | self.group.digests) == 1
+            and group.same_count
+            and self.single.batches == group.batches
+            and len(self.single.digests | group.digests) == 1
         )
 
 
@@ -358,8 +369,8 @@ def ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def orders(job: str, n: int, first_epoch: int, epochs: int) -> list[Order]:
-    return [Order(job, rank, n, first_epoch, epochs) for rank in range(n)]
+def orders(job: str, n: int, first_epoch: int, epochs: int, transport: str) -> list[Order]:
+    return [Order(job, rank, n, first_epoch, epochs, transport) for rank in range(n)]
 
 
 def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
@@ -369,26 +380,26 @@ def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
     rounds: list[Round] = []
     try:
         tree = psutil.Process(server.pid)
-        consumers = Consumers(args.consumers, address)
-        n = args.consumers
-        with tqdm(total=1 + 2 * args.rounds, unit="run", desc="warm-up", leave=False) as bar:
+        most = max(args.consumers)
+        consumers = Consumers(most, address)
+        total = 1 + (1 + len(args.consumers)) * args.rounds
+        with tqdm(total=total, unit="run", desc="warm-up", leave=False) as bar:
             # Epoch 0, read by everyone: workers, code paths and the consumers' imports warm.
-            _, warm_wall, warm_cpu = consumers.read(orders("bench-warmup", n, 0, 1), tree)
+            warm = orders("bench-warmup", most, 0, 1, args.transport)
+            _, warm_wall, warm_cpu = consumers.read(warm, tree)
             bar.update(1)
             for r in range(args.rounds):
-                # Fresh epochs for each round; (a) and (b) read the same ones, as other jobs.
+                # Fresh epochs for each round; every production reads the same ones, as another
+                # job each.
                 first = 1 + r * args.epochs
-                bar.set_description(f"round {r + 1}/{args.rounds}: 1 consumer")
-                single = Production(
-                    1, *consumers.read(orders(f"bench-{r}-single", 1, first, args.epochs), tree)
-                )
-                bar.update(1)
-                bar.set_description(f"round {r + 1}/{args.rounds}: {n} consumers")
-                group = Production(
-                    n, *consumers.read(orders(f"bench-{r}-group", n, first, args.epochs), tree)
-                )
-                bar.update(1)
-                rounds.append(Round(single, group))
+                productions = {}
+                for n in (1, *args.consumers):
+                    bar.set_description(f"round {r + 1}/{args.rounds}: {n} consumer(s)")
+                    job = orders(f"bench-{r}-{n}", n, first, args.epochs, args.transport)
+                    productions[n] = Production(n, *consumers.read(job, tree))
+                    bar.update(1)
+                single = productions.pop(1)
+                rounds.append(Round(single, productions))
     finally:
         if consumers is not None:
             consumers.close()
@@ -405,41 +416,56 @@ def _times(value: float, width: int) -> str:
     return f"{text:>{width}}"
 
 
-def _table(rounds: list[Round], n: int) -> str:
+def _table(rounds: list[Round], groups: list[int]) -> str:
     header = (
         f"{'round':>5} {'consumers':>9} {'batches each':>12} {'same':>5} {'wall s':>8} "
-        f"{'server CPU s':>12} {'= main':>8} {'+ workers':>9}"
+        f"{'server CPU s':>12} {'= main':>8} {'+ workers':>9}  transport"
     )
     lines = [header, "-" * len(header)]
     for i, rnd in enumerate(rounds, 1):
-        for prod in (rnd.single, rnd.group):
+        for prod in (rnd.single, *rnd.groups.values()):
             flag = "" if not prod.cpu.changed else "  (server processes changed)"
+            how = ",".join(sorted(str(t) for t in prod.transports))
             lines.append(
                 f"{i:>5} {prod.consumers:>9} {prod.batches:>12} "
                 f"{'yes' if prod.same_count and len(prod.digests) == 1 else 'NO':>5} "
                 f"{prod.wall:>8.2f} {prod.cpu.total:>12.2f} {prod.cpu.main:>8.2f} "
-                f"{prod.cpu.others:>9.2f}{flag}"
+                f"{prod.cpu.others:>9.2f}  {how}{flag}"
             )
+        for n, group in rnd.groups.items():
+            lines.append(
+                f"{i:>5} {f'{n}/1':>9} {'':>12} {'yes' if rnd.same_batches(n) else 'NO':>5} "
+                f"{_times(rnd.wall_ratio(n), 8)} {_times(rnd.cpu_ratio(n), 12)} "
+                f"{_times(ratio(group.cpu.main, rnd.single.cpu.main), 8)} "
+                f"{_times(ratio(group.cpu.others, rnd.single.cpu.others), 9)}"
+            )
+    lines.append("")
+    for n in groups:
+        cpu_ratio = statistics.median(r.cpu_ratio(n) for r in rounds)
+        wall_ratio = statistics.median(r.wall_ratio(n) for r in rounds)
+        target = ""
+        if n == TARGET_CONSUMERS:
+            verdict = "PASS" if cpu_ratio <= TARGET_RATIO else "MISS"
+            if cpu_ratio != cpu_ratio:  # NaN
+                verdict = "n/a (too short to measure; run without --quick)"
+            target = f"   target <= {TARGET_RATIO}: {verdict}"
         lines.append(
-            f"{i:>5} {f'{n}/1':>9} {'':>12} {'yes' if rnd.same_batches else 'NO':>5} "
-            f"{_times(rnd.wall_ratio, 8)} {_times(rnd.cpu_ratio, 12)} "
-            f"{_times(ratio(rnd.group.cpu.main, rnd.single.cpu.main), 8)} "
-            f"{_times(ratio(rnd.group.cpu.others, rnd.single.cpu.others), 9)}"
+            f"{n} consumers / 1 (median of {len(rounds)}): server CPU {cpu_ratio:.2f}x, "
+            f"wall {wall_ratio:.2f}x{target}"
         )
-    cpu_ratio = statistics.median(r.cpu_ratio for r in rounds)
-    wall_ratio = statistics.median(r.wall_ratio for r in rounds)
-    verdict = "PASS" if cpu_ratio <= TARGET_RATIO else "MISS"
-    if cpu_ratio != cpu_ratio:  # NaN
-        verdict = "n/a (too short to measure; run without --quick)"
-    same = all(r.same_batches for r in rounds)
-    lines += [
-        "",
-        f"server CPU, {n} consumers / 1 consumer (median of {len(rounds)}): "
-        f"{cpu_ratio:.2f}x   target <= {TARGET_RATIO}: {verdict}",
-        f"wall time,  {n} consumers / 1 consumer (median of {len(rounds)}): {wall_ratio:.2f}x",
-        f"every consumer received the identical batches: {'yes' if same else 'NO'}",
-    ]
+    same = all(r.same_batches(n) for r in rounds for n in groups)
+    lines.append(f"every consumer received the identical batches: {'yes' if same else 'NO'}")
     return "\n".join(lines)
+
+
+def _consumers(text: str) -> list[int]:
+    try:
+        counts = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 2,4,8, got {text!r}") from None
+    if not counts or counts[0] < 2:
+        raise argparse.ArgumentTypeError(f"each N must be at least 2 (1 is always run): {text!r}")
+    return counts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -455,7 +481,18 @@ def _parser() -> argparse.ArgumentParser:
         default=1280,
         help="dataset length (heavy, images; the demo folder has a fixed 512 images)",
     )
-    parser.add_argument("--consumers", type=int, default=4, help="N, the broadcast group")
+    parser.add_argument(
+        "--consumers",
+        type=_consumers,
+        default=[2, 4, 8],
+        help="the broadcast group sizes N to compare with 1 (default 2,4,8)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "grpc"),
+        default="auto",
+        help='the consumers\' transport ("auto": shared memory on this host)',
+    )
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per production")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -471,14 +508,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.quick:
         args.samples, args.epochs, args.rounds = 8 * args.batch_size, 1, 1
-    for flag in ("batch_size", "samples", "consumers", "epochs", "rounds"):
+    for flag in ("batch_size", "samples", "epochs", "rounds"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.workers < 0:
         raise SystemExit("--workers must be at least 0")
     samples = "512 (the demo folder)" if args.workload == "demo" else str(args.samples)
     print(
-        f"broadcast sharing, server CPU for {args.consumers} consumers vs 1: workload "
+        f"broadcast sharing, server CPU for {args.consumers} consumers vs 1 over "
+        f"transport={args.transport}: workload "
         f"{args.workload} ({WORKLOADS[args.workload]}), {samples} samples, batch "
         f"{args.batch_size}, {args.workers} server workers, {args.epochs} epoch(s) per "
         f"production, {args.rounds} round(s)\n{os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -492,10 +530,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the server and the consumers are stopped", file=sys.stderr)
         return 130
     print(
-        f"warm-up (epoch 0, {args.consumers} consumers): {warm_wall:.2f} s wall, "
+        f"warm-up (epoch 0, {max(args.consumers)} consumers): {warm_wall:.2f} s wall, "
         f"{warm_cpu.total:.2f} server CPU s\n"
     )
     print(_table(rounds, args.consumers))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 
