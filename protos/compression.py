@@ -110,11 +110,14 @@ class Compressor:
         return out
 
 
-def compressor_for(name: str) -> Compressor | None:
-    """A worker's compressor for an epoch that asks for `name`; None for none, or where the
-    codec's package is missing (that worker's batches then go uncompressed)."""
+def compressor_for(name: str, current: Compressor | None = None) -> Compressor | None:
+    """A worker's compressor for an epoch that asks for `name`: `current` if it is that codec's
+    (what it learned about the leaves that do not shrink holds across epochs), else a new one;
+    None for none, or where the codec's package is missing (the batches go uncompressed)."""
     if not name or not available(name):
         return None
+    if current is not None and current.name == name:
+        return current
     return Compressor(name)
 
 

@@ -149,7 +149,9 @@ class SlotMaps:
                     f"{path} is not the slot the server named (inode {st.st_ino}, {st.st_size} "
                     f"bytes; expected {inode}, {size})"
                 )
-            return mmap.mmap(own, size, prot=mmap.PROT_READ)
+            # Populated now, once per slot: else its first batches pay a page fault per 4 KiB.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return mmap.mmap(own, size, flags=flags, prot=mmap.PROT_READ)
         except OSError as exc:
             raise SlotUnavailable(f"cannot map the server's slot {path}: {exc}") from exc
         finally:

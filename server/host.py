@@ -81,7 +81,7 @@ class InlineEngine:
 
     def begin_epoch(self, base_seed: int, compression: str = "") -> None:
         seed_rngs(base_seed, 0)
-        self._compressor = compressor_for(compression)
+        self._compressor = compressor_for(compression, self._compressor)
         collate_fn = self._batching.collate_fn(self._spec)
         self._fetcher = Fetcher(self._dataset, self._batching, collate_fn)
         self._queue.clear()

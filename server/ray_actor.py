@@ -85,7 +85,7 @@ class RayWorker:
     def begin_epoch(self, epoch_key: int, base_seed: int, compression: str = "") -> None:
         """Reseeds and restarts iteration, as a worker process does on EpochStart."""
         self.epoch_key = epoch_key
-        self.compressor = compressor_for(compression)
+        self.compressor = compressor_for(compression, self.compressor)
         if self.init_error is not None:
             return
         seed = seed_rngs(base_seed, self.worker_id)

@@ -369,7 +369,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 initialized = True
                 assert collate_fn is not None
                 fetcher = Fetcher(dataset, cfg.batching, collate_fn)
-                compressor = compressor_for(msg.compression)
+                compressor = compressor_for(msg.compression, compressor)
             except Exception as exc:
                 init_error = RemoteError.capture(where, exc)
             continue

@@ -149,3 +149,11 @@ def test_workers_compress_what_the_stream_asks_for(
     with RemoteLoader(served.address, device="cpu", transport=transport) as loader:
         assert_same(list(loader), expected())
     assert len(decompressed) == 4  # and without asking, none
+
+
+def test_a_worker_keeps_what_it_learned_across_epochs_of_the_same_codec() -> None:
+    lz4 = compression.Compressor("lz4")
+    assert compression.compressor_for("lz4", lz4) is lz4  # skipped leaves stay skipped
+    zstd = compression.compressor_for("zstd", lz4)
+    assert zstd is not None and zstd.name == "zstd"
+    assert compression.compressor_for("", lz4) is None
