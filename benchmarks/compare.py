@@ -1,4 +1,5 @@
-"""Throughput of torch's DataLoader in this process vs RemoteLoader from a server on loopback.
+"""Throughput of torch's DataLoader in this process vs RemoteLoader from a separate server, each
+transport held against its physical ceiling measured in the same run.
 
 For each workload (`images`: transport-bound, batches of about 9.6 MB from a nearly free
 `__getitem__`; `heavy`: compute-bound, a few ms of convolutions per sample; both in
@@ -20,42 +21,68 @@ the server, its fork server and its workers). A background thread samples RSS ev
 (/proc/PID/statm); its own CPU is left out of the client's. RSS is summed over processes, so
 memory shared between them (the fork server's pages its workers still share, shared-memory
 tensors) is counted once in each process that maps it; the client's RSS also keeps what the
-other side's epochs left allocated in this process. A raw grpcio stream of 4 MiB `bytes`
-messages on loopback, measured in the same run, is the transport ceiling. Every number is
-measured now. A progress bar on stderr advances per epoch; `--plot FILE.png` draws the ratios
-and throughputs (needs matplotlib: pip install '.[bench]').
+other side's epochs left allocated in this process. Below the table, per workload and loader:
+CPU ms per batch of the client and of the server (CPU s over all timed epochs / their batches)
+and "cores busy" (client + server CPU s / wall s of those epochs: 2.0 here means both cores of
+this machine were spent on the loader and its consumer), and the transport each remote loader
+reported in `stats().transport`.
+
+Ceilings (benchmarks/ceilings.py, measured after the loaders, in the same run): a raw grpcio
+stream of 4 MiB `bytes` messages (for `grpc`), a raw TCP socket moving batch-sized buffers
+between two processes with `sendall` / `recv_into` (for `tcp`), `np.copyto` of one batch into
+another buffer (for `shm`), and, with CUDA, pinned host-to-device copies of one batch (skipped
+with a line saying so otherwise). Each remote row is printed as its GB/s and that as a fraction
+of its transport's ceiling: "tcp 1.82 GB/s = 0.41 of raw socket 4.4 GB/s".
+
+`--cross-host`: the loader server (and the raw ceilings' servers) run in a network namespace of
+their own with a private /dev/shm, joined to this process by a veth pair (benchmarks/netns.py;
+root and iproute2 needed). That is another host as far as RemoteLoader can tell: `transport=
+"auto"` finds no shared memory and takes the data connection by itself, which the `tcp` row
+checks (client stats and the server's "stream start ... transport=" log lines, both printed).
+There is no `shm` row: shared memory between the two is exactly what the namespace removes.
+`--link-rate RATE` (10gbit, 1gbit, ...) shapes both directions of the veth pair with tc's token
+bucket filter, so the rows and the raw socket ceiling see a link of that rate.
+
+`--train-step`: the client loop behaves like a trainer's on a CPU box: after each batch it does a
+fixed amount of CPU work on its first tensor (`x.float().div_(255)` and a sum: one pass to widen
+a uint8 image batch to float, one to scale it, one to reduce it), with torch's default intra-op
+thread count unless `--client-threads` says otherwise (TRAIN_STEP_WHY). The step alone, on one
+batch made in this process, is timed first (ms of wall time and of CPU per batch, and the
+batches/s it allows: the trainer's own ceiling).
+
+Every number is measured now. A progress bar on stderr advances per epoch; `--plot FILE.png`
+draws the ratios and throughputs (needs matplotlib: pip install '.[bench]'). The load average
+(/proc/loadavg) is printed at the start and at the end: the machine may be shared.
 
 Run from the repository root:
 
     python benchmarks/compare.py [--batch-size 64] [--workers 2] [--rounds 3] [--batches 40]
                                  [--workloads images,heavy,demo] [--plot FILE.png]
+                                 [--train-step] [--client-threads N]
     python benchmarks/compare.py --quick        # smoke run: 10 batches, 1 round
+    sudo python benchmarks/compare.py --cross-host [--link-rate 10gbit]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import importlib.util
 import json
 import os
-import re
-import select
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent import futures
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
@@ -68,11 +95,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import ceilings, netns, report  # noqa: E402
 from benchmarks.processes import (  # noqa: E402
+    Placement,
+    Served,
     process_rss,
-    start_server,
-    stop_process,
-    subprocess_env,
+    serve_at,
     tree_cpu,
     tree_pids,
 )
@@ -84,17 +112,16 @@ WORKLOADS = {
 }
 # The built-in image folder's length, whatever --batches says.
 DEMO_SAMPLES = DEMO_CLASSES * DEMO_PER_CLASS
-# The raw ceiling's message: the size of the frames RemoteLoader's server sends by default.
-RAW_MESSAGE_BYTES = 4 * 1024 * 1024
-RAW_METHOD = "/bench.Raw/Stream"
-# Seconds a server process may take to print its port (it imports torch and starts workers).
-STARTUP_TIMEOUT = 120.0
 GB = 1e9
 MB = 1e6
 # Seconds between two RSS samples, and between two listings of the processes a side's loader
 # runs in (a full /proc scan; its workers are persistent, so the list hardly ever changes).
 RSS_INTERVAL = 0.025
 RSS_RELIST = 0.5
+# torch's intra-op threads in this process before main() changes them: a trainer's default.
+DEFAULT_THREADS = torch.get_num_threads()
+# Timed repetitions of the train step alone (after one untimed).
+STEP_REPEATS = 20
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -171,6 +198,26 @@ def touch(batch: Any) -> None:
         t[0].sum().item()
 
 
+def train_step(batch: Any) -> None:
+    """`--train-step`: a trainer's CPU work on the batch's first tensor (the images): widen to
+    float, scale in place, reduce. Every byte is read, and four times as many written."""
+    t = _first_tensor(batch)
+    if t is not None:
+        t.float().div_(255).sum().item()
+
+
+def step_alone(batch: Any, step: Callable[[Any], None]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process) of one `step(batch)`, medians of STEP_REPEATS."""
+    step(batch)  # untimed: the allocator and the thread pool warm up
+    walls, cpus = [], []
+    for _ in range(STEP_REPEATS):
+        wall, cpu = time.perf_counter(), time.process_time()
+        step(batch)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 @dataclasses.dataclass(frozen=True)
 class Epoch:
     """One timed epoch: wall seconds, seconds to the first batch, batches and tensor bytes."""
@@ -189,15 +236,15 @@ class Epoch:
         return self.nbytes / GB / self.seconds
 
 
-def run_epoch(loader: Iterable[Any]) -> Epoch:
-    """Iterates one epoch of `loader`, touching each batch."""
+def run_epoch(loader: Iterable[Any], step: Callable[[Any], None] = touch) -> Epoch:
+    """Iterates one epoch of `loader`, calling `step` on each batch."""
     start = time.perf_counter()
     first = float("nan")
     batches = nbytes = 0
     for batch in loader:
         if batches == 0:
             first = time.perf_counter() - start
-        touch(batch)
+        step(batch)
         nbytes += tensor_bytes(batch)
         batches += 1
     return Epoch(time.perf_counter() - start, first, batches, nbytes)
@@ -212,24 +259,40 @@ class Side:
     loader_cpu: float = 0.0  # local workers, or the server process tree, summed likewise
     main_rss: int = 0  # this process, bytes: the peak over the timed epochs
     loader_rss: int = 0  # local workers, or the server process tree, summed: the peak likewise
+    # RemoteLoader.stats().transport after each timed epoch (remote sides only), each once.
+    transports: list[str] = dataclasses.field(default_factory=list)
 
     def median(self, value: Callable[[Epoch], float]) -> float:
         return statistics.median(value(e) for e in self.epochs)
+
+    @property
+    def batches(self) -> int:
+        return sum(e.batches for e in self.epochs)
+
+    @property
+    def cores_busy(self) -> float:
+        """Client and server CPU seconds per wall second, over the timed epochs."""
+        return (self.main_cpu + self.loader_cpu) / sum(e.seconds for e in self.epochs)
 
     def timed_epoch(
         self,
         loader: Iterable[Any],
         loader_cpu: Callable[[], float],
         loader_pids: Callable[[], list[int]],
+        step: Callable[[Any], None],
     ) -> None:
         """Runs one timed epoch of `loader` and adds its numbers to this side."""
         cpu, loader_before = time.process_time(), loader_cpu()
         with PeakRss(loader_pids) as rss:
-            self.epochs.append(run_epoch(loader))
+            self.epochs.append(run_epoch(loader, step))
         self.main_cpu += time.process_time() - cpu - rss.cpu
         self.loader_cpu += loader_cpu() - loader_before
         self.main_rss = max(self.main_rss, rss.client)
         self.loader_rss = max(self.loader_rss, rss.server)
+        if isinstance(loader, RemoteLoader):
+            transport = str(loader.stats().transport)
+            if transport not in self.transports:
+                self.transports.append(transport)
 
 
 # CLIENT_THREADS_WHY: the training loop here only touches one sample per batch (touch()), but
@@ -238,51 +301,26 @@ class Side:
 # the workers and the server of every side alike. A trainer's loop runs on its own cores (and
 # on the GPU); here it shares two with its loader, so by default it runs torch on one thread.
 # `--client-threads 2` shows what torch's default does.
-
-# The loaders each workload runs, in each round's order: label -> RemoteLoader transport
-# (None: torch's DataLoader in this process).
-LOADERS: dict[str, str | None] = {"local": None, "grpc": "grpc", "tcp": "tcp", "shm": "auto"}
-REMOTE = [label for label, transport in LOADERS.items() if transport is not None]
-
-
-def ratios(local: Side, remote: Side) -> list[float]:
-    """Remote batches/s over local batches/s, round by round."""
-    return [
-        r.batches_per_s / loc.batches_per_s
-        for loc, r in zip(local.epochs, remote.epochs, strict=True)
-    ]
+#
+# TRAIN_STEP_WHY: `--train-step` asks the other question: a trainer on a CPU box, whose loop
+# does real work per batch on the same cores as its loader. There the loop uses torch's default
+# threads, as a trainer would, and the loaders compete with it for CPU: what decides is the
+# CPU each side spends per batch (client and server), not the transport's speed alone.
 
 
-# --- the loader server -----------------------------------------------------------------------
-
-
-def _read_banner(proc: subprocess.Popen[str], what: str) -> str:
-    """The first stdout line of `proc`, waiting at most STARTUP_TIMEOUT; kills it on failure."""
-    if proc.stdout is None:
-        raise ValueError(f"{what} was started without stdout=PIPE")
-    ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        proc.communicate()
-        raise RuntimeError(
-            f"{what} printed nothing within {STARTUP_TIMEOUT:g} s (exit code "
-            f"{proc.returncode}); its stderr is above"
-        )
-    return line
-
-
-def _port(line: str, what: str) -> int:
-    match = re.search(r"on port (\d+)", line)
-    if not match:
-        raise RuntimeError(f"{what}: expected 'serving ... on port N', got {line!r}")
-    return int(match.group(1))
+def loaders_for(cross_host: bool) -> dict[str, str | None]:
+    """The loaders each workload runs, in each round's order: label -> RemoteLoader transport
+    (None: torch's DataLoader in this process). Across hosts `auto` must find the data
+    connection by itself (checked), and there is no shared memory to measure."""
+    if cross_host:
+        return {"local": None, "grpc": "grpc", "tcp": "auto"}
+    return {"local": None, "grpc": "grpc", "tcp": "tcp", "shm": "auto"}
 
 
 def start_loader_server(
-    dataset: str, kwargs: dict[str, Any], batch_size: int, workers: int
-) -> tuple[subprocess.Popen[str], str]:
-    """`remote-loader serve` for one dataset as a separate process; returns it and its address."""
+    dataset: str, kwargs: dict[str, Any], batch_size: int, workers: int, place: Placement
+) -> Served:
+    """`remote-loader serve` for one dataset as a separate process, where `place` says."""
     flags = [
         "--dataset",
         dataset,
@@ -294,7 +332,7 @@ def start_loader_server(
         str(workers),
         "--persistent-workers",
     ]
-    return start_server(flags)
+    return serve_at(place, flags)
 
 
 # --- local vs remote -------------------------------------------------------------------------
@@ -314,48 +352,73 @@ def batches_per_epoch(name: str, args: argparse.Namespace) -> int:
     return -(-samples // batch_size)
 
 
-def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> dict[str, Side]:
-    """Warm-up, then `args.rounds` alternating local/grpc/shm epochs of workload `name`."""
+@dataclasses.dataclass
+class Workload:
+    """What `compare` measured for one workload."""
+
+    sides: dict[str, Side]
+    # Tensor bytes of one batch (the mean over the local side's timed epochs): the ceilings'.
+    batch_bytes: int
+    # --train-step: wall and CPU seconds of the step alone on one batch; else None.
+    step: tuple[float, float] | None
+    # Across hosts: the transports the server logged for its streams, counted.
+    logged: collections.Counter[str]
+
+
+def compare(name: str, args: argparse.Namespace, place: Placement, bar: tqdm[Any]) -> Workload:
+    """Warm-up, then `args.rounds` alternating epochs of each loader of workload `name`."""
     path = WORKLOADS[name]
     kwargs = dataset_kwargs(name, args)
+    step = train_step if args.train_step else touch
+    dataset = resolve(path, "dataset")(**kwargs)
+    alone = None
+    if args.train_step:
+        # Before any loader runs, on a batch made here: the trainer's own ceiling.
+        bar.set_description(f"{name}: the train step alone")
+        batch = default_collate([dataset[i] for i in range(min(args.batch_size, len(dataset)))])
+        alone = step_alone(batch, train_step)
+        del batch
     bar.set_description(f"{name}: starting the server")
     local_loader = DataLoader(
-        resolve(path, "dataset")(**kwargs),
+        dataset,
         batch_size=args.batch_size,
         num_workers=args.workers,
         persistent_workers=True,
         multiprocessing_context="forkserver",
     )
-    server, address = start_loader_server(path, kwargs, args.batch_size, args.workers)
-    sides = {label: Side() for label in LOADERS}
+    server = start_loader_server(path, kwargs, args.batch_size, args.workers, place)
+    labels = loaders_for(place.link is not None)
+    sides = {label: Side() for label in labels}
+    logged: collections.Counter[str] = collections.Counter()
+    server_pid = server.proc.pid
 
     # Local: this process's descendants but the server's tree: the fork server and its workers.
     def workers() -> list[int]:
-        return tree_pids(os.getpid(), include_root=False, exclude=[server.pid])
+        return tree_pids(os.getpid(), include_root=False, exclude=[server_pid])
 
     def workers_cpu() -> float:
-        return tree_cpu(os.getpid(), include_root=False, exclude=[server.pid])
+        return tree_cpu(os.getpid(), include_root=False, exclude=[server_pid])
 
     # Remote: the server, its fork server and its workers.
     def served() -> list[int]:
-        return tree_pids(server.pid)
+        return tree_pids(server_pid)
 
     def served_cpu() -> float:
-        return tree_cpu(server.pid)
+        return tree_cpu(server_pid)
 
     def epoch(what: str) -> None:
         bar.set_description(f"{name}: {what}")
 
     remote_loaders = {
-        label: RemoteLoader(address, device="cpu", transport=transport)
-        for label, transport in LOADERS.items()
+        label: RemoteLoader(server.address, device="cpu", transport=transport)
+        for label, transport in labels.items()
         if transport is not None
     }
     loaders: dict[str, Iterable[Any]] = {"local": local_loader, **remote_loaders}
     try:
         for label, loader in loaders.items():
             epoch(f"warm-up, {label}")
-            run_epoch(loader)  # local: starts the fork server and the persistent workers
+            run_epoch(loader, step)  # local: starts the fork server and the persistent workers
             bar.update()
             if label != "local" and remote_loaders[label].last_transport != label:
                 raise RuntimeError(
@@ -365,196 +428,20 @@ def compare(name: str, args: argparse.Namespace, bar: tqdm[Any]) -> dict[str, Si
             for label, loader in loaders.items():
                 epoch(f"round {r}/{args.rounds}, {label}")
                 if label == "local":
-                    sides[label].timed_epoch(loader, workers_cpu, workers)
+                    sides[label].timed_epoch(loader, workers_cpu, workers, step)
                 else:
-                    sides[label].timed_epoch(loader, served_cpu, served)
+                    sides[label].timed_epoch(loader, served_cpu, served, step)
                 bar.update()
     finally:
         for remote_loader in remote_loaders.values():
             remote_loader.close()
-        stop_process(server)
+        logged = server.stop()
         # The last reference: its iterator's finalizer shuts the persistent workers down.
         del local_loader, loaders
         gc.collect()
-    return sides
-
-
-# --- the raw grpcio ceiling ------------------------------------------------------------------
-
-
-def raw_server() -> int:
-    """`--raw-server`: streams N messages of RAW_MESSAGE_BYTES (N is the request) until SIGTERM."""
-    payload = bytes(RAW_MESSAGE_BYTES)
-
-    def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        for _ in range(int(request)):
-            yield payload
-
-    service, method = RAW_METHOD.strip("/").split("/")
-    handler = grpc.method_handlers_generic_handler(
-        service, {method: grpc.unary_stream_rpc_method_handler(stream)}
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"raw grpc: serving on port {port}", flush=True)
-    while not stop.wait(0.5):
-        pass
-    server.stop(None).wait()
-    return 0
-
-
-def raw_ceiling(args: argparse.Namespace, bar: tqdm[Any]) -> list[float]:
-    """GB/s of `args.batches` raw messages per round from a `--raw-server` process."""
-    bar.set_description("raw grpcio: starting the server")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--raw-server"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=subprocess_env())
-    rates = []
-    try:
-        port = _port(_read_banner(proc, "the raw grpc server"), "the raw grpc server")
-        options = [("grpc.max_receive_message_length", 2 * RAW_MESSAGE_BYTES)]
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-            # No serializers: bytes in, bytes out, as the server's generic handler.
-            call = channel.unary_stream(
-                RAW_METHOD, request_serializer=None, response_deserializer=None
-            )
-            request = str(args.batches).encode()
-            for round_ in range(args.rounds + 1):  # round 0 is the warm-up
-                bar.set_description(
-                    f"raw grpcio: round {round_}/{args.rounds}" if round_ else "raw grpcio: warm-up"
-                )
-                start = time.perf_counter()
-                nbytes = sum(len(m) for m in call(request, wait_for_ready=True, timeout=600))
-                if round_:
-                    rates.append(nbytes / GB / (time.perf_counter() - start))
-                bar.update()
-    finally:
-        stop_process(proc)
-    return rates
-
-
-# --- the chart ---------------------------------------------------------------------------------
-
-
-def plot(results: dict[str, dict[str, Side]], raw: list[float], path: str, title: str) -> None:
-    """Draws the ratios remote/local, batches/s and GB/s of every loader into the image `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
-    names = list(results)
-    xs = list(range(len(names)))
-    colors = {"local": "tab:blue", "grpc": "tab:orange", "tcp": "tab:purple", "shm": "tab:green"}
-    fig, (ax_ratio, ax_rate, ax_gb) = plt.subplots(1, 3, figsize=(16, 5.2))
-
-    # The median as a bar per transport, each round's ratio as a dot.
-    every_ratio: list[float] = []
-    width = 0.8 / len(REMOTE)
-    for i, label in enumerate(REMOTE):
-        offset = (i - (len(REMOTE) - 1) / 2) * width
-        every = {name: ratios(results[name]["local"], results[name][label]) for name in names}
-        medians = [statistics.median(every[name]) for name in names]
-        bars = ax_ratio.bar(
-            [x + offset for x in xs], medians, width=width, color=colors[label], label=label
-        )
-        ax_ratio.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3, fontsize=8)
-        ax_ratio.plot(
-            [x + offset for x, name in zip(xs, names, strict=True) for _ in every[name]],
-            [r for name in names for r in every[name]],
-            "k.",
-            alpha=0.6,
-        )
-        every_ratio += [r for rs in every.values() for r in rs]
-    ax_ratio.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
-    ax_ratio.set_ylim(0, max(1.0, *every_ratio) * 1.35)
-    ax_ratio.set_title("remote / local throughput (batches/s; dots: rounds)")
-    ax_ratio.legend(loc="upper left", ncols=4)
-
-    def grouped(ax: Any, value: Callable[[Epoch], float], fmt: str) -> list[float]:
-        values = []
-        width = 0.8 / len(LOADERS)
-        for i, label in enumerate(LOADERS):
-            offset = (i - (len(LOADERS) - 1) / 2) * width
-            medians = [results[name][label].median(value) for name in names]
-            bars = ax.bar(
-                [x + offset for x in xs], medians, width=width, color=colors[label], label=label
-            )
-            ax.bar_label(bars, labels=[format(v, fmt) for v in medians], padding=2, fontsize=8)
-            values += medians
-        return values
-
-    rates = grouped(ax_rate, lambda e: e.batches_per_s, ".1f")
-    ax_rate.set_ylim(0, max(rates) * 1.3)  # room for the labels and the legend
-    ax_rate.set_title("batches/s (median)")
-    ax_rate.legend(loc="upper left", ncols=4)
-
-    gb_rates = grouped(ax_gb, lambda e: e.gb_per_s, ".2g")
-    ceiling = statistics.median(raw)
-    ax_gb.axhline(
-        ceiling,
-        color="tab:red",
-        linestyle="--",
-        linewidth=1,
-        label=f"raw grpcio ceiling {ceiling:.2f} GB/s",
-    )
-    ax_gb.set_yscale("log")
-    # Room above the ceiling for the legend, below the smallest bar for its base.
-    ax_gb.set_ylim(min(gb_rates) / 3, max(ceiling, *gb_rates) * 60)
-    ax_gb.set_title("GB/s of tensor bytes (median, log scale)")
-    handles, labels = ax_gb.get_legend_handles_labels()  # the line first: put it last
-    ax_gb.legend(handles[1:] + handles[:1], labels[1:] + labels[:1], loc="upper left", ncols=2)
-
-    for ax in (ax_ratio, ax_rate, ax_gb):
-        ax.set_xticks(xs, names)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# --- main ------------------------------------------------------------------------------------
-
-
-def _table(results: dict[str, dict[str, Side]], raw: list[float], rounds: int) -> str:
-    header = (
-        f"{'workload':<9} {'loader':<7} {'batches/s':>10} {'GB/s':>9} {'1st batch ms':>13} "
-        f"{'client CPU s':>13} {'server CPU s':>13} {'client RSS MB':>14} {'server RSS MB':>14}"
-    )
-    lines = [header, "-" * len(header)]
-    for name, sides in results.items():
-        for label, side in sides.items():
-            rate = side.median(lambda e: e.batches_per_s)
-            gb_rate = side.median(lambda e: e.gb_per_s)
-            first_ms = side.median(lambda e: e.first_batch) * 1e3
-            lines.append(
-                f"{name:<9} {label:<7} {rate:>10.1f} {gb_rate:>9.3g} {first_ms:>13.1f} "
-                f"{side.main_cpu / rounds:>13.2f} {side.loader_cpu / rounds:>13.2f} "
-                f"{side.main_rss / MB:>14.0f} {side.loader_rss / MB:>14.0f}"
-            )
-        for label in REMOTE:
-            ratio = statistics.median(ratios(sides["local"], sides[label]))
-            lines.append(f"{name:<9} {label + '/local throughput':<35} {ratio:.2f}x")
-    lines += [
-        f"raw grpcio ceiling ({RAW_MESSAGE_BYTES >> 20} MiB bytes messages, loopback): "
-        f"{statistics.median(raw):.3f} GB/s",
-        "",
-        "local: torch's DataLoader in this process. grpc, tcp, shm: RemoteLoader inside gRPC "
-        "messages, on a TCP data",
-        "connection beside the gRPC stream, and through the shared-memory ring.",
-        "client: this process, which reads the batches (all sides). server: local, the "
-        "DataLoader's fork server and",
-        "workers; remote, the server process, its fork server and its workers. CPU s: per "
-        "epoch. RSS MB: the peak over",
-        "the timed epochs, summed over the processes (memory they share is counted in each "
-        "that maps it).",
-    ]
-    return "\n".join(lines)
+    local = sides["local"]
+    batch_bytes = -(-sum(e.nbytes for e in local.epochs) // local.batches)
+    return Workload(sides, batch_bytes, alone, logged)
 
 
 def _workloads(text: str) -> list[str]:
@@ -593,59 +480,108 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--client-threads",
         type=int,
-        default=1,
         help="torch intra-op threads of this process, the training loop of every side "
-        "(default 1; see CLIENT_THREADS_WHY)",
+        f"(default 1, see CLIENT_THREADS_WHY; with --train-step torch's {DEFAULT_THREADS})",
+    )
+    parser.add_argument(
+        "--train-step",
+        action="store_true",
+        help="after each batch, a trainer's CPU work on it (x.float().div_(255).sum()); see "
+        "TRAIN_STEP_WHY",
+    )
+    parser.add_argument(
+        "--cross-host",
+        action="store_true",
+        help="servers in a network namespace of their own with a private /dev/shm, reached "
+        "over a veth pair (root; benchmarks/netns.py); no shm row",
+    )
+    parser.add_argument(
+        "--link-rate",
+        metavar="RATE",
+        help="with --cross-host: shape both directions of the veth pair to RATE (tc tbf), "
+        "e.g. 10gbit, 1gbit",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 batches, 1 round")
-    parser.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     return parser
+
+
+def _loadavg() -> str:
+    """The load averages of /proc/loadavg (1, 5, 15 min): the machine may be shared."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.raw_server:
-        return raw_server()
     if args.quick:
         args.batches, args.rounds = 10, 1
+    if args.client_threads is None:
+        args.client_threads = DEFAULT_THREADS if args.train_step else 1
     for flag in ("batch_size", "workers", "rounds", "batches", "client_threads"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.link_rate is not None and not args.cross_host:
+        raise SystemExit("--link-rate shapes the --cross-host link: pass --cross-host too")
     if args.plot is not None:
         # Checked now, not after minutes of measuring.
         if importlib.util.find_spec("matplotlib") is None:
             raise SystemExit("--plot needs matplotlib: pip install '.[bench]'")
         if not Path(args.plot).resolve().parent.is_dir():
             raise SystemExit(f"--plot: no such directory for {args.plot!r}")
-    torch.set_num_threads(args.client_threads)  # CLIENT_THREADS_WHY
+    if args.cross_host:
+        try:
+            netns.check_prerequisites(rate=args.link_rate)
+        except (netns.NetnsError, ValueError) as exc:
+            raise SystemExit(f"--cross-host: {exc}") from None
+    torch.set_num_threads(args.client_threads)  # CLIENT_THREADS_WHY, TRAIN_STEP_WHY
     names: list[str] = args.workloads
     demo = ""
     if "demo" in names:
         demo = f" (demo: its {DEMO_SAMPLES} images, {batches_per_epoch('demo', args)} batches)"
+    loop = "train step" if args.train_step else "touch"
     settings = (
         f"batch {args.batch_size}, {args.workers} workers, {args.batches} batches/epoch{demo}, "
-        f"{args.rounds} timed round(s), {args.client_threads} client thread(s)"
-    )
-    print(
-        f"DataLoader in-process vs RemoteLoader over loopback: {settings} "
-        f"(medians; CPU s per epoch)\n{os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"grpcio {grpc.__version__}\n",
-        flush=True,
+        f"{args.rounds} timed round(s), {args.client_threads} client thread(s), loop: {loop}"
     )
     if "demo" in names:
         demo_folder()  # generated once into the cache, before either side reads it
-    # Warm-ups and rounds of every loader of every workload, and of the raw ceiling.
-    epochs = (len(names) * len(LOADERS) + 1) * (args.rounds + 1)
-    with tqdm(total=epochs, unit="epoch", file=sys.stderr, leave=False) as bar:
-        results = {name: compare(name, args, bar) for name in names}
-        raw = raw_ceiling(args, bar)
-    print(_table(results, raw, args.rounds))
+    place = Placement()
+    try:
+        if args.cross_host:
+            place = Placement(netns.Link.create(rate=args.link_rate))
+        where = place.describe() if place.link is None else place.link.describe()
+        print(
+            f"DataLoader in-process vs RemoteLoader {place.describe()}: {settings} "
+            f"(medians; CPU s per epoch)\n{where}\n{os.cpu_count()} CPUs, torch "
+            f"{torch.__version__}, grpcio {grpc.__version__}; load average at start "
+            f"{_loadavg()}\n",
+            flush=True,
+        )
+        if args.cross_host:
+            print("no shm row: the server's /dev/shm is private, as on another host\n", flush=True)
+        labels = loaders_for(args.cross_host)
+        # Warm-ups and rounds of every loader of every workload, then the ceilings.
+        total = len(names) * len(labels) * (args.rounds + 1)
+        total += ceilings.steps(len(names), args.rounds)
+        with tqdm(total=total, unit="epoch", file=sys.stderr, leave=False) as bar:
+            results = {name: compare(name, args, place, bar) for name in names}
+            top = ceilings.measure(
+                {name: result.batch_bytes for name, result in results.items()},
+                batches=args.batches,
+                rounds=args.rounds,
+                place=place,
+                bar=bar,
+            )
+    finally:
+        if place.link is not None:
+            place.link.close()
+    print(report.table(results, top, args.rounds))
+    print(f"\nload average at end {_loadavg()}")
     if args.plot is not None:
-        plot(
+        report.plot(
             results,
-            raw,
+            top.grpc,
             args.plot,
-            f"DataLoader in-process vs RemoteLoader over loopback: {settings}; "
+            f"DataLoader in-process vs RemoteLoader {place.describe()}: {settings}; "
             f"{os.cpu_count()} CPUs, torch {torch.__version__}, grpcio {grpc.__version__}",
         )
         print(f"\nchart: {args.plot}")

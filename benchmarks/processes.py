@@ -1,19 +1,30 @@
-"""What the benchmarks share: starting and stopping `remote-loader serve`, and reading process
-trees from /proc (CPU seconds, resident memory) without third-party packages."""
+"""What the benchmarks share: starting and stopping `remote-loader serve` (and other servers
+that announce "serving ... on port N"), and reading process trees from /proc (CPU seconds,
+resident memory) without third-party packages."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import json
 import os
+import re
+import select
 import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from benchmarks.netns import Link
 from remote_loader.server.cli import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Seconds a server process may take to print its port (it imports torch and starts workers).
+STARTUP_TIMEOUT = 120.0
 
 
 def subprocess_env() -> dict[str, str]:
@@ -28,6 +39,105 @@ def start_server(flags: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
     and its address. Its stderr is inherited: server warnings show up beside the output."""
     proc, port = spawn_serve(flags, env=subprocess_env())
     return proc, f"127.0.0.1:{port}"
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where servers run: on loopback (`link` None: 127.0.0.1, this namespace), or across `link`:
+    inside its network namespace with a private /dev/shm, on its address (benchmarks/netns.py)."""
+
+    link: Link | None = None
+
+    @property
+    def host(self) -> str:
+        """The address servers listen on and clients dial."""
+        return "127.0.0.1" if self.link is None else self.link.server_ip
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """The command line that runs `argv` there."""
+        return list(argv) if self.link is None else self.link.wrap(argv)
+
+    def describe(self) -> str:
+        return "over loopback" if self.link is None else "across network namespaces"
+
+
+@dataclasses.dataclass
+class Served:
+    """A `remote-loader serve` process, its address, and (`serve_at` a link) its log file."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    log: Path | None = None
+
+    def stop(self) -> collections.Counter[str]:
+        """Stops the server; the transports its "stream start" log lines named, counted (none
+        without a log)."""
+        stop_process(self.proc)
+        if self.log is None:
+            return collections.Counter()
+        text = self.log.read_text(errors="replace")
+        self.log.unlink()
+        # logfmt values are bare, or JSON strings when they hold spaces ("grpc (shm offered,
+        # declined)").
+        found = (
+            re.search(r'transport=("(?:[^"\\]|\\.)*"|\S+)', line)
+            for line in text.splitlines()
+            if "stream start" in line
+        )
+        return collections.Counter(json.loads(m[1]) if m[1][0] == '"' else m[1] for m in found if m)
+
+
+def serve_at(place: Placement, flags: Sequence[str]) -> Served:
+    """`remote-loader serve FLAGS` as a separate process where `place` says, on a free port.
+
+    On loopback: `start_server` (WARNING logs, stderr inherited). Across a link: the gRPC port
+    and the data listener ("auto": the --address host, a free port) on the namespace's address,
+    logging at INFO into a file (its lines would interleave with a progress bar) for the "stream
+    start ... transport=" lines that `Served.stop` counts; the file is printed if it fails."""
+    if place.link is None:
+        return Served(*start_server(flags))
+    argv = [
+        sys.executable, "-m", "remote_loader.server.cli", "serve",
+        "--address", f"{place.host}:0", "--data-address", "auto", "--log-level", "INFO", *flags,
+    ]  # fmt: skip
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="rlbench-serve-", suffix=".log", delete=False
+    ) as f:
+        log = Path(f.name)
+        proc = subprocess.Popen(
+            place.wrap(argv), stdout=subprocess.PIPE, stderr=f, text=True, env=subprocess_env()
+        )
+    try:
+        port = banner_port(read_banner(proc, "remote-loader serve"), "remote-loader serve")
+    except RuntimeError:
+        print(log.read_text(errors="replace"), file=sys.stderr)
+        log.unlink()
+        raise
+    return Served(proc, f"{place.host}:{port}", log)
+
+
+def read_banner(proc: subprocess.Popen[str], what: str, timeout: float = STARTUP_TIMEOUT) -> str:
+    """The first stdout line of `proc`, waiting at most `timeout` s; kills it on failure (its
+    stderr, where it was not redirected, is above the error)."""
+    if proc.stdout is None:
+        raise ValueError(f"{what} was started without stdout=PIPE")
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(
+            f"{what} printed nothing within {timeout:g} s (exit code {proc.returncode})"
+        )
+    return line
+
+
+def banner_port(line: str, what: str) -> int:
+    """N of a "serving ... on port N" line."""
+    match = re.search(r"on port (\d+)", line)
+    if not match:
+        raise RuntimeError(f"{what}: expected 'serving ... on port N', got {line!r}")
+    return int(match.group(1))
 
 
 def stop_process(proc: subprocess.Popen[str]) -> None:

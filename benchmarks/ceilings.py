@@ -1,0 +1,320 @@
+"""Physical ceilings of compare.py's transports, measured in the same run as the loaders.
+
+Each RemoteLoader transport is held against the most its medium moves on this machine at all,
+for buffers of one batch of the workload (its tensor bytes, what the GB/s columns count), on
+loopback or, with compare.py --cross-host, between the namespaces of benchmarks/netns.py:
+
+- **raw grpcio** (`grpc`): a grpcio unary-stream call of `bytes` messages of 4 MiB (the frame
+  size RemoteLoader's server sends by default), no serializers, from a server process to this
+  process; GB/s per round of `batches` messages. One figure for every workload: gRPC moves a
+  batch in such frames whatever its size.
+- **raw socket** (`tcp`): a sender process `sendall`s batch-sized buffers (filled, so that no
+  zero page is sent) on one TCP connection; this process `recv_into`s each into one
+  preallocated, touched buffer. Both sockets get protos/tcp.py's `tune()` (4 MiB buffers each
+  way, no Nagle), as the data connection's do. GB/s per round; a round moves `batches` batches,
+  or enough of them for MIN_ROUND_BYTES when batches are small (per-call overhead dominates).
+- **memcpy** (`shm`): `np.copyto` of a batch-sized buffer into another preallocated one in this
+  process; GB/s per sample of at least MIN_SAMPLE_BYTES, median of MEMCPY_SAMPLES. The ring
+  copies each batch twice (into the ring in the server, out of it in the client), so `shm` at
+  0.5 of it is the two copies back to back. Two 9.6 MB buffers may fit in a large last-level
+  cache: the figure is then the cache's, a bound the ring (4 batches, other processes' copies
+  in between) does not reach.
+- **pinned host-to-device** (CUDA only): `copy_(non_blocking=True)` from a pinned batch-sized
+  tensor into a device one, timed with CUDA events, median of MEMCPY_SAMPLES; the last hop of
+  every side to a GPU. compare.py's loaders deliver to the CPU, so no row is held against it.
+
+Run as a script, this file is the ceilings' server processes (compare.py starts them, inside
+the server namespace with --cross-host):
+
+    python benchmarks/ceilings.py grpc-server HOST     # raw grpcio: prints its port
+    python benchmarks/ceilings.py socket-sender HOST   # raw socket: prints its port
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from remote_loader.protos import tcp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package on the path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.processes import (  # noqa: E402
+    Placement,
+    banner_port,
+    read_banner,
+    stop_process,
+    subprocess_env,
+)
+
+GB = 1e9
+# The raw grpcio ceiling's message: the size of the frames RemoteLoader's server sends by default.
+RAW_MESSAGE_BYTES = 4 * 1024 * 1024
+RAW_METHOD = "/bench.Raw/Stream"
+# A raw socket round moves at least this much, and a memcpy / host-to-device sample copies at
+# least this much: a few KB per call would time the call, not the copy.
+MIN_ROUND_BYTES = 64 * 1024 * 1024
+MIN_SAMPLE_BYTES = 16 * 1024 * 1024
+MEMCPY_SAMPLES = 31
+# The raw socket's request: batches to send, bytes per batch.
+REQUEST = struct.Struct("!QQ")
+# A filler byte for buffers that are sent: not zero, so that every page is really allocated.
+FILL = 0xA5
+
+Bar = Any  # tqdm's bar: set_description(str), update()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Every ceiling of one run, GB/s per round or sample (module doc); per workload where the
+    buffer is one of its batches. `h2d` is None without CUDA."""
+
+    where: str  # "loopback", or which namespaces the raw servers ran between
+    batch_bytes: dict[str, int]
+    grpc: list[float]
+    socket: dict[str, list[float]]
+    memcpy: dict[str, list[float]]
+    h2d: dict[str, list[float]] | None
+
+    def of(self, workload: str, transport: str) -> tuple[str, float] | None:
+        """The ceiling of a transport ("grpc", "tcp", "shm") for a workload: name, median GB/s."""
+        if transport == "grpc":
+            return "raw grpcio", statistics.median(self.grpc)
+        if transport == "tcp":
+            return "raw socket", statistics.median(self.socket[workload])
+        if transport == "shm":
+            return "memcpy", statistics.median(self.memcpy[workload])
+        return None
+
+
+def steps(workloads: int, rounds: int) -> int:
+    """Progress bar updates that `measure` makes."""
+    return (rounds + 1) * (1 + workloads) + workloads * (2 if torch.cuda.is_available() else 1)
+
+
+def measure(
+    batch_bytes: Mapping[str, int],
+    *,
+    batches: int,
+    rounds: int,
+    place: Placement,
+    bar: Bar,
+) -> Ceilings:
+    """Measures every ceiling; the raw servers run where `place` says."""
+    sizes = dict(batch_bytes)
+    grpc_rates = grpc_ceiling(batches, rounds, place, bar)
+    socket_rates = socket_ceiling(sizes, batches, rounds, place, bar)
+    memcpy_rates = {}
+    for name, nbytes in sizes.items():
+        bar.set_description(f"memcpy ceiling: {name}")
+        memcpy_rates[name] = memcpy_ceiling(nbytes)
+        bar.update()
+    h2d_rates = None
+    if torch.cuda.is_available():
+        h2d_rates = {}
+        for name, nbytes in sizes.items():
+            bar.set_description(f"host-to-device ceiling: {name}")
+            h2d_rates[name] = h2d_ceiling(nbytes)
+            bar.update()
+    where = "loopback" if place.link is None else "between the namespaces"
+    return Ceilings(where, sizes, grpc_rates, socket_rates, memcpy_rates, h2d_rates)
+
+
+def _start(role: str, place: Placement) -> tuple[subprocess.Popen[str], int]:
+    """This file as the `role` server process where `place` says; the process and its port."""
+    argv = place.wrap([sys.executable, str(Path(__file__).resolve()), role, place.host])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    return proc, banner_port(read_banner(proc, f"the {role} process"), f"the {role} process")
+
+
+# --- raw grpcio ----------------------------------------------------------------------------------
+
+
+def grpc_server(host: str) -> int:
+    """`grpc-server`: streams N messages of RAW_MESSAGE_BYTES (N is the request) until SIGTERM."""
+    payload = bytes(RAW_MESSAGE_BYTES)
+
+    def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for _ in range(int(request)):
+            yield payload
+
+    service, method = RAW_METHOD.strip("/").split("/")
+    handler = grpc.method_handlers_generic_handler(
+        service, {method: grpc.unary_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{host}:0")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"raw grpc: serving on port {port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.stop(None).wait()
+    return 0
+
+
+def grpc_ceiling(batches: int, rounds: int, place: Placement, bar: Bar) -> list[float]:
+    """GB/s of `batches` raw messages per round from a `grpc-server` process."""
+    bar.set_description("raw grpcio: starting the server")
+    proc, port = _start("grpc-server", place)
+    rates = []
+    try:
+        options = [("grpc.max_receive_message_length", 2 * RAW_MESSAGE_BYTES)]
+        with grpc.insecure_channel(f"{place.host}:{port}", options=options) as channel:
+            # No serializers: bytes in, bytes out, as the server's generic handler.
+            call = channel.unary_stream(
+                RAW_METHOD, request_serializer=None, response_deserializer=None
+            )
+            request = str(batches).encode()
+            for round_ in range(rounds + 1):  # round 0 is the warm-up
+                bar.set_description(
+                    f"raw grpcio: round {round_}/{rounds}" if round_ else "raw grpcio: warm-up"
+                )
+                start = time.perf_counter()
+                nbytes = sum(len(m) for m in call(request, wait_for_ready=True, timeout=600))
+                if round_:
+                    rates.append(nbytes / GB / (time.perf_counter() - start))
+                bar.update()
+    finally:
+        stop_process(proc)
+    return rates
+
+
+# --- raw socket ----------------------------------------------------------------------------------
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fills `view` from `sock`; False if the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def socket_sender(host: str) -> int:
+    """`socket-sender`: for each request (batches, bytes) on its one connection, sends that many
+    batch-sized buffers; exits when the receiver closes (or on SIGTERM)."""
+    with socket.create_server((host, 0)) as listener:
+        print(f"raw socket: serving on port {listener.getsockname()[1]}", flush=True)
+        conn, _ = listener.accept()
+    with conn:
+        tcp.tune(conn)  # as the server's end of a data connection
+        payload = bytearray()
+        request = memoryview(bytearray(REQUEST.size))
+        while _recv_exactly(conn, request):
+            count, nbytes = REQUEST.unpack(request)
+            if len(payload) != nbytes:
+                payload = bytearray([FILL]) * nbytes
+            view = memoryview(payload)
+            for _ in range(count):
+                conn.sendall(view)
+    return 0
+
+
+def socket_ceiling(
+    sizes: Mapping[str, int], batches: int, rounds: int, place: Placement, bar: Bar
+) -> dict[str, list[float]]:
+    """GB/s per round, per workload, from a `socket-sender` process into this one."""
+    bar.set_description("raw socket: starting the sender")
+    proc, port = _start("socket-sender", place)
+    rates: dict[str, list[float]] = {}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            tcp.tune(sock)  # before connecting, as the client's end of a data connection
+            sock.connect((place.host, port))
+            for name, nbytes in sizes.items():
+                view = memoryview(bytearray([1]) * nbytes)  # preallocated and touched, reused
+                count = max(batches, math.ceil(MIN_ROUND_BYTES / nbytes))
+                rates[name] = []
+                for round_ in range(rounds + 1):  # round 0 is the warm-up
+                    bar.set_description(f"raw socket: {name}, round {round_}/{rounds}")
+                    start = time.perf_counter()
+                    sock.sendall(REQUEST.pack(count, nbytes))
+                    for _ in range(count):
+                        if not _recv_exactly(sock, view):
+                            raise RuntimeError("the raw socket sender closed the connection")
+                    if round_:
+                        rates[name].append(count * nbytes / GB / (time.perf_counter() - start))
+                    bar.update()
+    finally:
+        stop_process(proc)
+    return rates
+
+
+# --- copies in this process ------------------------------------------------------------------
+
+
+def memcpy_ceiling(nbytes: int, samples: int = MEMCPY_SAMPLES) -> list[float]:
+    """GB/s of np.copyto between two preallocated batch-sized buffers, per sample."""
+    src = np.full(nbytes, FILL, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # faults dst's pages in, outside the timing
+    per = max(1, math.ceil(MIN_SAMPLE_BYTES / nbytes))
+    rates = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(per):
+            np.copyto(dst, src)
+        rates.append(per * nbytes / GB / (time.perf_counter() - start))
+    return rates
+
+
+def h2d_ceiling(nbytes: int, samples: int = MEMCPY_SAMPLES) -> list[float]:
+    """GB/s of pinned host-to-device copies of a batch-sized tensor, per sample (needs CUDA)."""
+    src = torch.full((nbytes,), FILL, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)  # the context, the allocation: outside the timing
+    torch.cuda.synchronize()
+    per = max(1, math.ceil(MIN_SAMPLE_BYTES / nbytes))
+    rates = []
+    for _ in range(samples):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(per * nbytes / GB / (start.elapsed_time(end) / 1e3))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("role", choices=["grpc-server", "socket-sender"])
+    parser.add_argument("host", help="the address to listen on (port: a free one)")
+    args = parser.parse_args(argv)
+    if args.role == "grpc-server":
+        return grpc_server(args.host)
+    return socket_sender(args.host)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
