@@ -1,12 +1,13 @@
 """One batch being put together from its Frames, in (pinned) host memory.
 
 Every transport's receiving end fills one (client/transports/): in-band Frames part by part, a
-ring or a data connection in one piece; the receiver then decodes it.
+ring in one piece, data connections a stripe each; the receiver then decodes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,16 +66,48 @@ class Assembly:
         self.next_part += 1
         return self._complete()
 
-    def receive(self, read: Callable[[memoryview], bool]) -> bool:
-        """Reads the whole batch with `read(view)` (which fills `view` from the data
-        connection, False if stopped): header and padding, then the payload straight into
-        place. True when complete, False if stopped."""
+    def fill_range(self, lo: int, hi: int, read: Callable[[memoryview], bool]) -> bool:
+        """Fills the blob's bytes [lo, hi) in place with `read(view)` (which fills `view`, False
+        if stopped): the part below `header_nbytes` into the header, the padding up to
+        `payload_start` into a scratch buffer, the rest straight into the payload. Disjoint
+        ranges may be filled at once from several threads. False if stopped."""
+        if not 0 <= lo <= hi <= self.total:
+            raise ProtocolError(f"batch {self.batch}: bytes [{lo}, {hi}) of {self.total}")
+        views = []
+        if lo < self.header_nbytes:
+            views.append(memoryview(self.header)[lo : min(hi, self.header_nbytes)])
+        padding = min(hi, self.payload_start) - max(lo, self.header_nbytes)
+        if padding > 0:
+            views.append(memoryview(bytearray(padding)))
+        if hi > self.payload_start:
+            start = max(lo, self.payload_start) - self.payload_start
+            views.append(self._payload_np.data[start : hi - self.payload_start])
+        return all(read(view) for view in views)  # stops at the first False
+
+    def receive(
+        self,
+        read: Callable[[int, memoryview], bool],
+        stripes: Sequence[tuple[int, int]] | None = None,
+        run: Callable[[Sequence[Callable[[], bool]]], bool] | None = None,
+    ) -> bool:
+        """Reads the whole batch beside the Frames, in `stripes`, contiguous (start, end)
+        ranges that cover the blob (default: one, all of it): `read(i, view)` fills `view`
+        from stripe i's connection (False if stopped), and `run(tasks)` runs one task per
+        stripe, each filling its range with `fill_range`, and says whether all finished
+        (default: one after another). True when complete, False if stopped."""
         if self.parts != 1 or self.next_part != 0:
             raise ProtocolError(f"batch {self.batch}: a data-connection batch is one part")
-        head = bytearray(self.payload_start)
-        if not read(memoryview(head)) or not read(self._payload_np.data):
+        if stripes is None:
+            stripes = [(0, self.total)]
+        ends = [0, *(hi for _, hi in stripes)]
+        if [lo for lo, _ in stripes] != ends[:-1] or ends[-1] != self.total:
+            raise ProtocolError(f"batch {self.batch}: stripes {stripes} do not cover {self.total}")
+        tasks = [
+            functools.partial(self.fill_range, lo, hi, functools.partial(read, i))
+            for i, (lo, hi) in enumerate(stripes)
+        ]
+        if not (run(tasks) if run is not None else all(task() for task in tasks)):
             return False
-        self.header[:] = head[: self.header_nbytes]
         self.received = self.total
         self.next_part = 1
         return self._complete()

@@ -79,6 +79,7 @@ class EpochIterator(Iterator[Any]):
                 if owner.transport != "grpc" and owner.tls is None and not owner._no_data_connection
                 else None
             ),
+            data_connections=owner.data_connections,
             on_tcp_failed=owner._data_connection_failed,
             slot_maps=owner._slot_maps,
         )

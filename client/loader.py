@@ -23,7 +23,7 @@ from remote_loader.client.receiver import DEFAULT_BACKOFF
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import compression as compression_module
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import wire
+from remote_loader.protos import tcp, wire
 from remote_loader.protos.slots import SlotMaps
 
 DEFAULT_PREFETCH = 2
@@ -70,6 +70,11 @@ class RemoteLoader:
             none with TLS), else inside the gRPC stream; "tcp" skips shared memory; "grpc"
             always streams them inside gRPC messages. Each falls back on its own, losing and
             repeating nothing. See `last_transport`.
+        data_connections: how many TCP data connections a stream may open (1 to 8; the server
+            may grant fewer). Each batch is cut into a stripe per connection, sent and read all
+            at once, but into no more stripes than it has MiB (a batch under 2 MiB goes on
+            one): several fill a fast link (25-100 GbE) that one connection cannot. None (the
+            default): up to 4.
         compression: "lz4" or "zstd": the server's workers compress each tensor that shrinks
             and this client decompresses it, for links slower than decompression (about 1-10
             Gbit/s); "none" (the default): the bytes as they are, what shared memory and fast
@@ -97,6 +102,7 @@ class RemoteLoader:
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
         transport: str = "auto",
+        data_connections: int | None = None,
         compression: str = "none",
         token: str | None = None,
         tls: bool | TLS | None = None,
@@ -113,6 +119,16 @@ class RemoteLoader:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if data_connections is not None and (
+            not isinstance(data_connections, int)
+            or isinstance(data_connections, bool)
+            or not 1 <= data_connections <= tcp.MAX_DATA_CONNECTIONS
+        ):
+            raise ValueError(
+                f"data_connections must be an integer from 1 to {tcp.MAX_DATA_CONNECTIONS} "
+                f"(TCP connections per stream), or None to let each batch's size decide; got "
+                f"{data_connections!r}"
+            )
         self.compression = compression_module.check(compression)  # raises ValueError
         if self.compression and not compression_module.available(self.compression):
             raise ValueError(
@@ -136,6 +152,7 @@ class RemoteLoader:
         self.retries = retries
         self.backoff = backoff
         self.transport = transport
+        self.data_connections = data_connections
         self._epoch = 0
         self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
         # The earlier job of another world size whose epoch the next iter() finishes

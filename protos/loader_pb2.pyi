@@ -88,7 +88,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class StreamRequest(_message.Message):
     TCP_FIELD_NUMBER: _ClassVar[int]
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -109,7 +110,8 @@ class StreamRequest(_message.Message):
     tcp: bool
     reshard: Reshard
     compression: str
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ...) -> None: ...
+    data_connections: int
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class Reshard(_message.Message):
     __slots__ = ("world_size", "consumed", "origin")
@@ -134,12 +136,14 @@ class ShmOffer(_message.Message):
     def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., probe_fd: _Optional[int] = ...) -> None: ...
 
 class TcpChannel(_message.Message):
-    __slots__ = ("port", "ticket")
+    __slots__ = ("port", "ticket", "more_tickets")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    MORE_TICKETS_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    more_tickets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., more_tickets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ShmBatch(_message.Message):
     __slots__ = ("ring", "ring_bytes", "offset", "release", "slot")

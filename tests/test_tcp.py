@@ -163,12 +163,16 @@ def test_a_ticket_opens_one_connection_and_nothing_else_does(serve_loaders: Serv
 def test_stray_connections_neither_block_streams_nor_pile_up(
     serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tcp, "MAX_HANDSHAKES", 2)
+    # As many as the client's own connections, made at once: they must not evict each other.
+    monkeypatch.setattr(tcp, "MAX_HANDSHAKES", tcp.DEFAULT_DATA_CONNECTIONS)
     monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
     served = serve_loaders(sizes_spec(SIZES))
     port = served.server.data_port
     assert port is not None
-    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    silent = [
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+        for _ in range(tcp.MAX_HANDSHAKES + 1)
+    ]
     # Over MAX_HANDSHAKES the oldest silent one is evicted (closed: recv gives b"").
     assert silent[0].recv(1) == b""
     # So silent connections cannot crowd out a real client, who says HELLO at once.
@@ -188,18 +192,20 @@ def test_a_data_connection_that_breaks_mid_epoch_is_resumed_exactly(
 ) -> None:
     served = serve_loaders(sizes_spec(SIZES))
     real: Callable[..., bool] = tcp.recv_into
-    reads = 0
+    cut = False
 
     def cut_once(sock: socket.socket, out: memoryview, *args: Any) -> bool:
-        nonlocal reads
-        reads += 1
-        if reads == 5:  # batch 2's header: the socket really breaks under the reader
-            sock.shutdown(socket.SHUT_RDWR)
+        nonlocal cut
+        if len(out) == SIZES[1] and not cut:  # batch 1's payload: the socket breaks for good
+            cut = True  # (after a mere shutdown, what the kernel buffered could still be read)
+            sock.close()
         return real(sock, out, *args)
 
     monkeypatch.setattr(tcp, "recv_into", cut_once)  # the module the receiver calls through
-    with RemoteLoader(served.address, transport="tcp", backoff=0.05) as loader:
+    # One connection: a batch is one read of its payload (tests/test_striping.py cuts stripes).
+    with RemoteLoader(served.address, transport="tcp", data_connections=1, backoff=0.05) as loader:
         assert_same(list(loader), expected(SIZES))
+        assert cut
         assert loader.stats().reconnects == 1
         assert loader.last_transport == "tcp"
     # The server's side of it ended too: no stream is left running.

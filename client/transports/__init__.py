@@ -3,7 +3,7 @@
 - base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
   other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
-- tcp.py: a data connection beside the gRPC stream, for a client on another host (protos/tcp.py).
+- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py).
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 class Transports:
     """What this client offers the streams of one epoch, less what it has given up on.
 
-    `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for a data
-    connection to this host (the gRPC target's; None: never). `slot_maps`: the workers' slots
+    `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for data
+    connections to this host (the gRPC target's; None: never), `data_connections` of them (None:
+    tcp.DEFAULT_DATA_CONNECTIONS; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
     mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
     owner stops asking in later epochs (a firewall that drops the connection would cost every
     epoch tcp.CONNECT_TIMEOUT).
@@ -54,12 +55,14 @@ class Transports:
         *,
         use_shm: bool,
         tcp_host: str | None,
+        data_connections: int | None = None,
         on_tcp_failed: Callable[[], None] = lambda: None,
         slot_maps: slot_protocol.SlotMaps | None = None,
     ) -> None:
         self._what = what
         self._use_shm = use_shm and shm_protocol.available()
         self._tcp_host = tcp_host
+        self._data_connections = data_connections
         self._on_tcp_failed = on_tcp_failed
         # Workers' slots mapped by the streams (NOTE [ Zero-copy slots ]); the loader's, so that
         # every epoch reads the same pool's slots through the same maps.
@@ -67,7 +70,14 @@ class Transports:
 
     def open(self, stopped: Callable[[], bool]) -> StreamEnds:
         """The ends of a new stream, with what its request offers; `stopped`: the receiver's."""
-        return StreamEnds(self._what, self._probe(), self._tcp_host, stopped, self._slot_maps)
+        return StreamEnds(
+            self._what,
+            self._probe(),
+            self._tcp_host,
+            stopped,
+            self._slot_maps,
+            self._data_connections,
+        )
 
     def give_up(self, unusable: TransportUnusable) -> None:
         """Offers no more streams the transport `unusable` names."""
@@ -90,7 +100,7 @@ class Transports:
 
 class StreamEnds:
     """One stream's receiving ends: what its request offers, and which end carries each
-    batch Frame. Owns what the ends open (a probe, a ring, a socket) until `close()`."""
+    batch Frame. Owns what the ends open (a probe, a ring, sockets) until `close()`."""
 
     def __init__(
         self,
@@ -99,27 +109,30 @@ class StreamEnds:
         tcp_host: str | None,
         stopped: Callable[[], bool],
         slot_maps: slot_protocol.SlotMaps | None = None,
+        data_connections: int | None = None,
     ) -> None:
         self._what = what
         self._inband = InbandEnd()
         self._shm = ShmEnd(what, probe, slot_maps)
-        self._tcp = TcpEnd(what, tcp_host, stopped)
+        self._tcp = TcpEnd(what, tcp_host, stopped, data_connections)
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
 
     def offer(self, request: pb.StreamRequest) -> None:
-        """Writes the offer into the stream's `request`: a shared-memory probe, a data
-        connection; the server picks at most one, and Frames are the rest."""
+        """Writes the offer into the stream's `request`: a shared-memory probe, data
+        connections; the server picks at most one, and Frames are the rest."""
         offer = self._shm.offer()
         if offer is not None:
             request.shm.CopyFrom(offer)
         request.tcp = self._tcp.asked
+        if self._tcp.asked:
+            request.data_connections = self._tcp.connections
 
     def answered(self) -> None:
         """A Frame arrived: the server has read the offer."""
         self._shm.answered()
 
     def control(self, meta: pb.Frame) -> bool:
-        """Handles `meta` if it is a Frame for the transports (a data connection's
+        """Handles `meta` if it is a Frame for the transports (the data connections'
         announcement, before any batch) rather than a batch: True if it was."""
         if not meta.HasField("tcp_channel"):
             return False
@@ -139,7 +152,7 @@ class StreamEnds:
 
     def beat(self) -> None:
         """The training loop is busy: tells the server, which may be waiting for room on the
-        ring or the data connection, that this client is alive all the same."""
+        ring or the data connections, that this client is alive all the same."""
         self._shm.beat()
         self._tcp.beat()
 

@@ -3,8 +3,8 @@
 - base.py: the `Sender` seam, and `InbandSender` (Frames inside the gRPC stream: always works,
   and every other transport's fallback);
 - shm.py: a ring in /dev/shm, for a client on this host that proved it (protos/shm.py);
-- tcp.py: a data connection beside the gRPC stream, for a client on another host
-  (protos/tcp.py), and the `DataListener` that accepts those connections.
+- tcp.py: data connections beside the gRPC stream, for a client on another host
+  (protos/tcp.py), and the `DataListener` that accepts them.
 
 `negotiate` picks the transport from what the request offers and what this server allows; the
 stream's send loop only iterates `Sender.send` and knows none of them.
@@ -48,12 +48,19 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Negotiated:
-    """What a stream gets: a sender ready now, or (`ticket`) a data connection to `connect`."""
+    """What a stream gets: a sender ready now, or (`tickets`) data connections to `connect`."""
 
     sender: Sender
     # How the stream's start line describes it ("shm", "tcp", "grpc (shm offered, declined)").
     described: str
-    ticket: bytes | None = None
+    # One per data connection the stream announces (NOTE [ TCP data connection ]); none: no
+    # data connection.
+    tickets: list[bytes] = dataclasses.field(default_factory=list)
+
+    @property
+    def ticket(self) -> bytes | None:
+        """The first data connection's ticket; None when the stream has none."""
+        return self.tickets[0] if self.tickets else None
 
 
 def negotiate(
@@ -67,8 +74,9 @@ def negotiate(
     listener: DataListener | None,
 ) -> Negotiated:
     """Shared memory if the client proved it is on this host (its probe is read and removed
-    now, either way), else a data connection if it asked for one and this server listens,
-    else Frames. `shared`: the stream's entries are read by several consumers (broadcast)."""
+    now, either way), else data connections (as many as it asked for, up to
+    tcp.MAX_DATA_CONNECTIONS) if it asked for them and this server listens, else Frames.
+    `shared`: the stream's entries are read by several consumers (broadcast)."""
     inband = InbandSender(chunk_size, shared)
     if request.HasField("shm"):
         ring = accept_offer(request.shm, max_ring_bytes, inband, client_silence, zero_copy)
@@ -76,7 +84,10 @@ def negotiate(
             return Negotiated(ring, "shm (zero-copy)" if ring.zero_copy else ring.name)
     described = "grpc (shm offered, declined)" if request.HasField("shm") else "grpc"
     if request.tcp and listener is not None:
-        return Negotiated(inband, "tcp", listener.expect())
+        # 0 is a client from before striping: one connection.
+        n = min(max(request.data_connections, 1), tcp_protocol.MAX_DATA_CONNECTIONS)
+        tickets = [listener.expect() for _ in range(n)]
+        return Negotiated(inband, "tcp" if n == 1 else f"tcp ({n} connections)", tickets)
     return Negotiated(inband, described)
 
 
@@ -87,19 +98,29 @@ def connect(
     client_silence: float,
     who: str,
 ) -> Generator[bytes, None, Sender | None]:
-    """For a data connection: yields the Frame that announces it, waits for the client to
-    connect (at most protos.tcp.ACCEPT_TIMEOUT), and returns its sender, or the in-band one if no
-    connection came; None if the stream was cancelled meanwhile."""
-    assert negotiated.ticket is not None
-    announce = pb.TcpChannel(port=listener.port, ticket=negotiated.ticket)
+    """For data connections: yields the Frame that announces them, waits for the client to
+    make them all (at most protos.tcp.ACCEPT_TIMEOUT), and returns their sender, or the in-band
+    one if not all came (those that did are closed); None if the stream was cancelled
+    meanwhile."""
+    if not negotiated.tickets:
+        raise ValueError("connect() is for a stream that announces data connections")
+    first, *more = negotiated.tickets
+    announce = pb.TcpChannel(port=listener.port, ticket=first, more_tickets=more)
     yield wire.control_frame(pb.Frame(tcp_channel=announce))
-    sock = listener.wait(negotiated.ticket, cancelled)
-    if cancelled():
-        if sock is not None:
+    socks = listener.wait(negotiated.tickets, cancelled)
+    arrived = [sock for sock in socks if sock is not None]
+    if cancelled() or len(arrived) < len(socks):
+        for sock in arrived:
             sock.close()
-        return None  # the client went, or cancelled to go on without a data connection
-    if sock is None:
+        if cancelled():
+            return None  # the client went, or cancelled to go on without a data connection
         timeout = tcp_protocol.ACCEPT_TIMEOUT
-        log.warning("no data connection within %g s, sending Frames: %s", timeout, who)
+        log.warning(
+            "%d of %d data connections within %g s, sending Frames: %s",
+            len(arrived),
+            len(socks),
+            timeout,
+            who,
+        )
         return negotiated.sender
-    return TcpSender(sock, client_silence)
+    return TcpSender(arrived, client_silence)

@@ -1,5 +1,5 @@
 """The data connection's sending end: a stream from another host may carry its batches' bytes
-on a TCP connection beside the gRPC stream (NOTE [ TCP data connection ] in
+on TCP connections beside the gRPC stream (NOTE [ TCP data connection ] in
 remote_loader.protos.tcp, which holds both ends' protocol); `DataListener` accepts them.
 """
 
@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from remote_loader.protos import tcp, wire
 from remote_loader.server.errors import ClientSilent, DataConnectionLost
@@ -21,24 +23,41 @@ from remote_loader.server.transports.base import DEFAULT_CLIENT_SILENCE, StreamS
 
 log = logging.getLogger(__name__)
 
+# The threads that write stripes 1.. of a stream's batches (tests count them).
+STRIPE_THREAD_NAME = "rl-stripe-send"
+
 
 class TcpSender:
-    """Sends a stream's batches on its data connection; owns the socket until `close()`.
+    """Sends a stream's batches on its data connections; owns the sockets, and the threads that
+    write all stripes but the first, until `close()`.
 
-    A batch goes straight from its worker's slot into the socket (a broadcast entry, too, for
-    every consumer: only the kernel's copy is paid per consumer)."""
+    A batch goes straight from its worker's slot into the sockets, stripe i on `socks[i]`
+    (tcp.stripes), all at once (a broadcast entry, too, for every consumer: only the kernel's
+    copy is paid per consumer)."""
 
     name = "tcp"
 
-    def __init__(self, sock: socket.socket, client_silence: float = DEFAULT_CLIENT_SILENCE) -> None:
-        self.sock = sock
+    def __init__(
+        self, socks: Sequence[socket.socket], client_silence: float = DEFAULT_CLIENT_SILENCE
+    ) -> None:
+        if not 1 <= len(socks) <= tcp.MAX_DATA_CONNECTIONS:
+            raise ValueError(
+                f"a stream has 1 to {tcp.MAX_DATA_CONNECTIONS} data connections, got {len(socks)}"
+            )
+        self.socks = list(socks)
         self.client_silence = client_silence
-        self.batches = 0  # sent on the data connection
+        self.batches = 0  # sent on the data connections
+        # Threads start on the first batch that needs them; close() joins them.
+        self._pool = (
+            ThreadPoolExecutor(len(socks) - 1, thread_name_prefix=STRIPE_THREAD_NAME)
+            if len(socks) > 1
+            else None
+        )
 
     def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        view = payload(entry)
-        # The Frame announcing that batch `batch` follows on the data connection goes first:
-        # the client reads the socket only once it has it, so the order keeps both from waiting.
+        view = tcp.as_bytes(payload(entry))
+        # The Frame announcing that batch `batch` follows on the data connections goes first:
+        # the client reads the sockets only once it has it, so the order keeps both from waiting.
         yield wire.handle_frame(batch, len(view), entry.delivery.header_nbytes, on_tcp=True)
         self._write(view, stopped)
 
@@ -46,23 +65,38 @@ class TcpSender:
         pass
 
     def _write(self, blob: memoryview, stopped: Callable[[], bool]) -> None:
-        """Writes the batch its Frame announced.
+        """Writes the batch its Frame announced, each stripe on its connection, and returns
+        once all are written or all writers have stopped.
 
         Raises StreamStopped when `stopped()` turned true first, DataConnectionLost when the
-        client has gone, ClientSilent when it stopped reading and beating (NOTE [ TCP data
-        connection ]).
+        client has gone (any one connection broke), ClientSilent when it stopped reading and
+        beating on one (NOTE [ TCP data connection ]).
         """
+        failed = threading.Event()  # one stripe failed: the others stop
+
+        def stop() -> bool:
+            return failed.is_set() or stopped()
+
+        # A small batch has fewer stripes than the stream has connections: the first ones.
+        stripes = tcp.stripes(len(blob), len(self.socks))
+        tasks = [
+            functools.partial(tcp.send, sock, blob[lo:hi], stop, self.client_silence)
+            for sock, (lo, hi) in zip(self.socks, stripes, strict=False)
+        ]
         try:
-            if not tcp.send(self.sock, blob, stopped, self.client_silence):
+            if not tcp.concurrently(self._pool, tasks, failed):
                 raise StreamStopped()
         except tcp.SilentClientError as exc:
             raise ClientSilent(str(exc)) from exc
         except OSError as exc:
-            raise DataConnectionLost(f"the data connection broke: {exc}") from exc
+            raise DataConnectionLost(f"a data connection broke: {exc}") from exc
         self.batches += 1
 
     def close(self) -> None:
-        self.sock.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # idle: a batch's stripes all returned with it
+        for sock in self.socks:
+            sock.close()
 
 
 @dataclasses.dataclass
@@ -119,30 +153,38 @@ class DataListener:
         self._thread.start()
 
     def expect(self) -> bytes:
-        """A new ticket for a stream about to announce its data connection."""
+        """A new ticket for a stream about to announce a data connection."""
         ticket = tcp.new_ticket()
         with self._lock:
             self._waiting[ticket] = _Waiting()
         return ticket
 
     def wait(
-        self, ticket: bytes, stopped: Callable[[], bool], timeout: float | None = None
-    ) -> socket.socket | None:
-        """The connection that sent `ticket`; None if none came within `timeout` s (default
-        tcp.ACCEPT_TIMEOUT) or `stopped()` turned true. The ticket is forgotten either way."""
+        self, tickets: Sequence[bytes], stopped: Callable[[], bool], timeout: float | None = None
+    ) -> list[socket.socket | None]:
+        """The connections that sent `tickets`, in their order; None for each that did not come
+        within `timeout` s in all (default tcp.ACCEPT_TIMEOUT), or before `stopped()` turned
+        true. The tickets are forgotten either way: none is handed over after this returns."""
         with self._lock:
-            waiting = self._waiting.get(ticket)
+            waiting = [self._waiting.get(ticket) for ticket in tickets]
         deadline = time.monotonic() + (tcp.ACCEPT_TIMEOUT if timeout is None else timeout)
+
+        def all_arrived() -> bool:
+            for each in waiting:
+                while each is not None and not each.arrived.wait(tcp.POLL_INTERVAL):
+                    if stopped() or time.monotonic() >= deadline:
+                        return False
+            return True
+
         try:
-            while waiting is not None and not waiting.arrived.wait(tcp.POLL_INTERVAL):
-                if stopped() or time.monotonic() >= deadline:
-                    break
+            all_arrived()
         finally:
-            with self._lock:
-                self._waiting.pop(ticket, None)
-        if waiting is None or not waiting.arrived.is_set():
-            return None
-        return waiting.sock
+            with self._lock:  # a handshake hands its socket over under this lock
+                for ticket in tickets:
+                    self._waiting.pop(ticket, None)
+        return [
+            each.sock if each is not None and each.arrived.is_set() else None for each in waiting
+        ]
 
     def close(self) -> None:
         self._closed.set()
