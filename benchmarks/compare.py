@@ -8,7 +8,8 @@ JPEGs decoded, randomly cropped and flipped, with `return_index`) the same datas
 and worker count run four ways: a local `DataLoader` (forkserver, persistent workers), and a
 `RemoteLoader` against `remote-loader serve` started as a separate process, inside gRPC messages
 (`transport="grpc"`), on a TCP data connection beside the gRPC stream (`transport="tcp"`: what a
-trainer on another host gets by default) and through the same-host shared-memory ring
+trainer on another host gets by default) and through same-host shared memory (zero-copy from
+the workers' slots, or the ring)
 (`transport="auto"`, which picks it on one machine). Neither side shuffles. `images`
 and `heavy` hold `--batches` batches; `demo` always reads its whole folder (512 / batch size
 batches, the last one maybe short). Timed rounds alternate local/remote after one untimed warm-

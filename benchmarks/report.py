@@ -188,7 +188,8 @@ def table(results: dict[str, Workload], top: ceilings.Ceilings, rounds: int) -> 
         rows = [
             "local: torch's DataLoader in this process. grpc, tcp, shm: RemoteLoader inside gRPC "
             "messages, on a TCP data",
-            "connection beside the gRPC stream, and through the shared-memory ring.",
+            "connection beside the gRPC stream, and through shared memory (zero-copy from the",
+            "workers' slots, or the ring).",
         ]
     else:
         rows = [
