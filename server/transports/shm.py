@@ -161,7 +161,10 @@ class ShmSender:
         client_silence seconds, unless the stream is `ending` (a silent client is not waited
         for then: should it wake, a reused slot is a broken stream to it)."""
         waiting = self._waiting(stopped)
-        if shm.wait_until(ready, waiting):
+        # The first look after 0.4 ms, not 50 us: the server waits here only when it is
+        # SLOT_LEASES batches ahead of the client's copies, so waking sooner buys no throughput
+        # and costs the server a wake-up per poll for every consumer (broadcast: per batch).
+        if shm.wait_until(ready, waiting, 400e-6):
             return
         if not waiting.silent:
             raise StreamStopped()
