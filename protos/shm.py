@@ -41,6 +41,11 @@ server is killed before that, its resource tracker (a separate process, outlivin
 it. The probe is unlinked by the server when it reads it and by
 the client when the stream's first message or error arrives, whichever comes first.
 
+The ring is the fallback of a faster way: a client that also shares the server's pid namespace
+and user reads each batch in its worker's slot, and the server copies nothing; its stream's ring
+then only carries the release cursor and the heartbeat (NOTE [ Zero-copy slots ] in
+protos/slots.py). The probe's offer says which (ShmOffer.pid, probe_fd).
+
 NOTE [ Ring space ]
 
 How the ring follows batch sizes. Positions are logical byte counts since the ring was made
