@@ -14,8 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,23 +23,9 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import shm, slots
-from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same, subprocess_env
-
-
-def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
-    return LoaderSpec(
-        name="sizes",
-        dataset="tests.datasets:Sizes",
-        dataset_kwargs={"sizes": sizes},
-        batch_size=None,
-        num_workers=num_workers,
-        **options,
-    )
-
-
-def expected(sizes: list[int]) -> list[torch.Tensor]:
-    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
+from tests.test_sharing import run_concurrently
+from tests.test_shm import expected, sizes_spec
 
 
 @pytest.fixture
@@ -150,25 +135,19 @@ def test_broadcast_consumers_read_one_slot_per_batch_and_the_server_copies_nothi
 ) -> None:
     sizes = [500_000] * 24
     served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
-    results: list[list[torch.Tensor]] = [[] for _ in range(4)]
-    errors: list[BaseException] = []
 
-    def consume(rank: int) -> None:
-        try:
+    def consumer(rank: int) -> Callable[[], list[torch.Tensor]]:
+        def consume() -> list[torch.Tensor]:
             with RemoteLoader(
                 served.address, sharing="broadcast", rank=rank, world_size=4, device="cpu"
             ) as loader:
-                results[rank] = list(loader)
+                got = list(loader)
                 assert loader.last_transport == "shm"
-        except BaseException as exc:
-            errors.append(exc)
+            return got
 
-    threads = [threading.Thread(target=consume, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+        return consume
+
+    results = run_concurrently(*(consumer(r) for r in range(4)))
     for got in results:
         assert_same(got, expected(sizes))
     assert ring_copies == []

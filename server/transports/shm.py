@@ -95,7 +95,6 @@ class ShmSender:
         self._beat_at = 0.0
         self.disabled = False  # /dev/shm refused a ring: the rest of the stream goes as Frames
         self.batches = 0  # sent through shared memory
-        self.copied = 0  # of them, copied into the ring (the rest were zero-copy)
 
     def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
         frame = self._lend(batch, entry, stopped)
@@ -195,7 +194,6 @@ class ShmSender:
             raise StreamStopped()
         offset, release = placed
         self.batches += 1
-        self.copied += 1
         return wire.handle_frame(
             batch,
             len(blob),
