@@ -15,16 +15,18 @@ import torch
 
 from remote_loader.client.errors import ProtocolError
 from remote_loader.protos import codec
+from remote_loader.protos.buffers import BufferPool
 
 
 class Assembly:
-    """The receive buffer of one batch: its header, and its payload (pinned when `pin`).
+    """The receive buffer of one batch: its header, and its payload (pinned when `pin`, else
+    from `buffers` when given).
 
     Built from the batch's first Frame (`meta`), whose sizes it checks; parts must arrive in
     order, and the batch is complete when all `parts` brought exactly `total` bytes.
     """
 
-    def __init__(self, meta: Any, pin: bool) -> None:
+    def __init__(self, meta: Any, pin: bool, buffers: BufferPool | None = None) -> None:
         self.batch = meta.batch
         self.parts = meta.parts
         self.next_part = 0
@@ -38,9 +40,11 @@ class Assembly:
         ):
             raise ProtocolError(f"batch {meta.batch}: inconsistent frame sizes")
         self.header = bytearray(self.header_nbytes)
-        self.payload = torch.empty(
-            self.total - self.payload_start, dtype=torch.uint8, pin_memory=pin
-        )
+        nbytes = self.total - self.payload_start
+        if buffers is not None and not pin:
+            self.payload = buffers.empty(nbytes)  # NOTE [ Reused buffers ]
+        else:
+            self.payload = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._payload_np = self.payload.numpy()
         self.received = 0
 

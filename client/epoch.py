@@ -90,6 +90,7 @@ class EpochIterator(Iterator[Any]):
             device=owner.device,
             pin=owner.pin_memory,
             what=what,
+            buffers=owner._buffers,
             start=start,
             retries=owner.retries,
             backoff=owner.backoff,

@@ -24,6 +24,7 @@ from remote_loader.client.security import TLS, open_channel, resolve_tls, resolv
 from remote_loader.protos import compression as compression_module
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp, wire
+from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.slots import SlotMaps
 
 DEFAULT_PREFETCH = 2
@@ -167,6 +168,10 @@ class RemoteLoader:
         # The workers' slots this loader's streams have mapped (NOTE [ Zero-copy slots ] in
         # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
         self._slot_maps = SlotMaps()
+        # Batches for the CPU are received into reused buffers (NOTE [ Reused buffers ] in
+        # protos/buffers.py): enough for the prefetched batches, the one being received, and the
+        # loop's current and previous ones. Pinned memory is torch's allocator's to cache.
+        self._buffers = BufferPool(keep=prefetch + 4) if self.device.type == "cpu" else None
         self._closed = False
         self.tls = resolve_tls(tls)
         self._channel = open_channel(

@@ -31,6 +31,7 @@ from remote_loader.client.errors import (
 )
 from remote_loader.client.transports import StreamEnds, Transports, TransportUnusable
 from remote_loader.protos import codec, wire
+from remote_loader.protos.buffers import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class Receiver(threading.Thread):
     bounded by the caller (its maxsize is the prefetch depth); puts wait for room, checking
     `stop()`.
 
+    Batches for the CPU are received into `buffers` when given (NOTE [ Reused buffers ]).
+
     `wait_ready(timeout)` waits for the connection before a new stream; a stream that breaks is
     replaced up to `retries` times in a row (a batch arriving resets the count) before the error
     reaches the training loop.
@@ -108,6 +111,7 @@ class Receiver(threading.Thread):
         device: torch.device,
         pin: bool,
         what: str,
+        buffers: BufferPool | None = None,
         start: int = 0,
         retries: int = 0,
         backoff: float = DEFAULT_BACKOFF,
@@ -120,6 +124,7 @@ class Receiver(threading.Thread):
         self._transports = transports
         self._device = device
         self._pin = pin
+        self._buffers = buffers
         self._what = what
         self._expected = start  # the next batch to queue: a new stream starts from it
         self._retries = retries
@@ -291,7 +296,7 @@ class Receiver(threading.Thread):
                         return Finished(expected)
                     self._expected = expected
                     continue
-                assembly = Assembly(meta, self._pin)
+                assembly = Assembly(meta, self._pin, self._buffers)
             end = ends.carrying(meta)
             if not end.fill(meta, data, assembly):
                 if self._stopped.is_set():

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos.compression import Compressor, compressor_for
@@ -30,9 +29,9 @@ from remote_loader.server.worker import (
     Fetcher,
     RemoteError,
     build_dataset,
-    collate_tensors,
     make_batch,
     seed_rngs,
+    use_collate_buffers,
 )
 
 # What `make` returns (a tuple, so Ray serialises the array out of band):
@@ -56,7 +55,7 @@ class RayWorker:
     ) -> None:
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
         # NOTE [ Collating in process memory ] in server/worker.py: a batch leaves as a blob.
-        torch_collate.default_collate_fn_map[torch.Tensor] = collate_tensors
+        use_collate_buffers()
         self.spec = spec
         self.batching = batching
         self.worker_id = worker_id

@@ -23,6 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos import codec
 from remote_loader.protos import slots as slot_protocol
+from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
@@ -48,14 +49,33 @@ def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
     shared-memory file per batch would only add its creation, page faults and zeroing: 6 ms
     instead of 0.4 ms for a 9.6 MB batch on the benchmark machine, more than half of a local
     DataLoader's time per batch. Values, dtype and shape are torch's; tensors torch refuses
-    (nested, sparse) still get torch's own error.
+    (nested, sparse) still get torch's own error. Like torch's, the stack goes into an `out`
+    tensor of the first sample's dtype, contiguous: one of the worker's reused buffers (NOTE
+    [ Reused buffers ] in protos/buffers.py), since a fresh one costs its page faults again.
     """
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:
         # torch raises for nested and sparse tensors, and handles any other layout its way.
         theirs: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return theirs
-    return torch.stack(batch, 0)
+    out = None
+    if _collate_buffers is not None and elem.device.type == "cpu":
+        out = _collate_buffers.empty_as((len(batch), *elem.shape), elem.dtype)
+    return torch.stack(batch, 0, out=out)
+
+
+# The worker process's buffers for collate_tensors; None outside a worker (inline loading).
+_collate_buffers: BufferPool | None = None
+# Buffers a worker keeps: a batch's large tensors, twice over.
+COLLATE_BUFFERS = 8
+
+
+def use_collate_buffers() -> None:
+    """Makes this process a worker's: collate_tensors for default_collate (and any collate_fn
+    calling it, through torch's map, which is this process's own), into reused buffers."""
+    global _collate_buffers
+    _collate_buffers = BufferPool(COLLATE_BUFFERS)
+    torch_collate.default_collate_fn_map[torch.Tensor] = collate_tensors
 
 
 # The largest encoded batch a loader may make (max_batch_bytes). A batch is held whole in a
@@ -328,9 +348,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     # Ctrl-C belongs to the server, which shuts the pool down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
-    # default_collate (and any collate_fn calling it) looks tensors up in this map, which is
-    # this process's own: NOTE [ Collating in process memory ].
-    torch_collate.default_collate_fn_map[torch.Tensor] = collate_tensors
+    use_collate_buffers()  # NOTE [ Collating in process memory ]
     parent_pid = os.getppid()
     where = f"in DataLoader worker process {cfg.worker_id}"
     init_error: RemoteError | None = None

@@ -337,3 +337,15 @@ class Skewed(Dataset[int]):
     def __getitem__(self, i: int) -> int:
         time.sleep(self.slow if i % self.every == 0 else self.fast)
         return i
+
+
+_KEPT: list[Any] = []  # per worker process: every batch keeping_collate made there
+
+
+def keeping_collate(samples: list[Any]) -> dict[str, Any]:
+    """default_collate, keeping every batch it made (a collate_fn that caches its output), and
+    returning beside the batch a copy of the first one it made in this worker now: it reads the
+    same as when it was made unless something reused its memory."""
+    batch = torch.utils.data.default_collate(samples)
+    _KEPT.append(batch)
+    return {"batch": batch, "first": _KEPT[0]["data"].clone()}

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Any
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
-from remote_loader.client import assembly as assembly_module
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import StartServer
 
@@ -86,26 +82,13 @@ def test_timeout_names_the_batch(start_server: StartServer) -> None:
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_receive_buffers_stay_within_the_prefetch_depth(
-    start_server: StartServer, monkeypatch: pytest.MonkeyPatch, transport: str, prefetch: int
+    start_server: StartServer, transport: str, prefetch: int
 ) -> None:
     """Every batch lands in a receive buffer (pinned where there is CUDA: tests/test_gpu.py
-    checks the pinned allocator there); however slow the loop, no more are alive at once than
-    the queue (`prefetch`), the one the receiver fills or holds, and the loop's batches (on the
-    CPU the loop's batch *is* its buffer: the one it holds and the one it just dropped)."""
-    # Weak references to the buffers' storages: a batch's tensors are views that keep them.
-    alive: list[StorageWeakRef] = []
-    most = 0
-    lock = threading.Lock()
-    real_init = assembly_module.Assembly.__init__
-
-    def counted(self: Any, meta: Any, pin: bool) -> None:
-        nonlocal most
-        real_init(self, meta, pin)
-        with lock:
-            alive.append(StorageWeakRef(self.payload.untyped_storage()))
-            most = max(most, sum(1 for ref in alive if not ref.expired()))
-
-    monkeypatch.setattr(assembly_module.Assembly, "__init__", counted)
+    checks the pinned allocator there; on the CPU a reused one, NOTE [ Reused buffers ]);
+    however slow the loop, no more are in use at once than the queue (`prefetch`), the one the
+    receiver fills or holds, and the loop's batches (on the CPU the loop's batch *is* its
+    buffer: the one it holds and the one it just dropped), so no more are ever made."""
     address = start_server(
         LoaderSpec(
             name="sizes",
@@ -121,5 +104,7 @@ def test_receive_buffers_stay_within_the_prefetch_depth(
             time.sleep(0.02)  # a slow step: the receiver fills the queue and waits for room
             assert batch.numel() == 1_000_000
             received += 1
-    assert received == 24 and len(alive) == 24
-    assert most <= prefetch + 3, (most, prefetch)
+        buffers = loader._buffers
+    assert received == 24 and buffers is not None
+    assert buffers.made + buffers.reused == 24
+    assert buffers.made <= prefetch + 3, (buffers.made, prefetch)
