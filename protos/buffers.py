@@ -10,7 +10,7 @@ shape is a fresh mapping, faulted in and zero-filled page by page when it is fir
 then unmapped when freed. Measured on the 2-core benchmark machine for 9.6 MB batches: a copy
 into a fresh `torch.empty` costs 2.6-5 ms, into one already mapped 0.48 ms. Two places do that
 once per batch: a client receiving a batch into host memory (client/assembly.py) and a worker
-stacking a batch before encoding it (server/worker.py collate_tensors).
+stacking a batch it cannot stack into its slot (server/collating.py collate_tensors).
 
 A BufferPool keeps the last few such buffers and hands one out again when nothing else holds
 its storage: torch counts the users of a storage (every tensor viewing it, hence every numpy
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -37,20 +36,20 @@ MIN_POOLED_BYTES = 128 * 1024
 GRANULE = 64 * 1024
 
 
-def _storage_users() -> Callable[[torch.Tensor], int] | None:
-    """How many hold the storage of a tensor: torch's count of its users (tensors viewing it,
-    the storage object while one exists), plus the references to that storage object, which is
-    one per storage (torch preserves it) and counts once in torch's count however many hold it.
-    """
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return None
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# Whether this torch counts a storage's users; without it nothing is reused.
+COUNTED = _use_count is not None
 
-    def users(t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        return int(use_count(storage._cdata)) + sys.getrefcount(storage)
 
-    return users
+def storage_users(t: torch.Tensor) -> int:
+    """How many hold the storage of `t` (0 when torch cannot tell): torch's count of its users
+    (tensors viewing it, and the storage object while one exists), plus the references to that
+    storage object, which is one per storage (torch preserves it) and counts once in torch's
+    count however many hold it."""
+    if _use_count is None:
+        return 0
+    storage = t.untyped_storage()
+    return int(_use_count(storage._cdata)) + sys.getrefcount(storage)
 
 
 class BufferPool:
@@ -61,7 +60,6 @@ class BufferPool:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
-        self._count = _storage_users()
         # The buffers, oldest first, each with its count of users when only the pool holds it.
         self._buffers: list[tuple[torch.Tensor, int]] = []
         self._lock = threading.Lock()
@@ -71,7 +69,7 @@ class BufferPool:
     def empty(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 CPU tensor of `nbytes` bytes, contents undefined: a view of a free pooled
         buffer, or of a new one."""
-        if nbytes < MIN_POOLED_BYTES or self._count is None:
+        if nbytes < MIN_POOLED_BYTES or not COUNTED:
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
             buffer = self._free(nbytes)
@@ -90,22 +88,20 @@ class BufferPool:
         return self.empty(nbytes).view(dtype).view(shape)
 
     def _free(self, nbytes: int) -> torch.Tensor | None:
-        assert self._count is not None
         best: torch.Tensor | None = None
         for buffer, alone in self._buffers:
             fits = buffer.numel() >= nbytes and (best is None or buffer.numel() < best.numel())
-            if fits and self._count(buffer) <= alone:
+            if fits and storage_users(buffer) <= alone:
                 best = buffer
         return best
 
     def _make(self, nbytes: int) -> torch.Tensor:
-        assert self._count is not None
         if len(self._buffers) >= self.keep:
             # Forget a free buffer that was too small, else the oldest (still in use).
-            free = [i for i, (b, alone) in enumerate(self._buffers) if self._count(b) <= alone]
+            free = [i for i, (b, alone) in enumerate(self._buffers) if storage_users(b) <= alone]
             del self._buffers[free[0] if free else 0]
         buffer = torch.empty(-(-nbytes // GRANULE) * GRANULE, dtype=torch.uint8)
-        self._buffers.append((buffer, self._count(buffer)))
+        self._buffers.append((buffer, storage_users(buffer)))
         self.made += 1
         return buffer
 

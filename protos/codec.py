@@ -31,7 +31,16 @@ from google.protobuf.message import DecodeError as _ProtobufDecodeError
 from remote_loader.protos import compression, loader_pb2
 from remote_loader.protos.compression import Compressor
 
-__all__ = ["ALIGN", "DecodeError", "EncodeError", "Encoded", "decode", "decode_blob", "encode"]
+__all__ = [
+    "ALIGN",
+    "DecodeError",
+    "EncodeError",
+    "Encoded",
+    "Placed",
+    "decode",
+    "decode_blob",
+    "encode",
+]
 
 # Every dtype's element size (at most 16 bytes, complex128) divides 64, so a leaf at a multiple of
 # ALIGN can be viewed as its dtype in place; 64 bytes is also a cache line, so no two leaves share
@@ -89,6 +98,18 @@ class _Leaf:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """Memory the payload will be written to, from `address` for `nbytes` bytes: a contiguous
+    tensor leaf already inside it, at a multiple of ALIGN from `address`, keeps its place there
+    (its offset is where it lies) and is not copied when the payload is written to that memory;
+    the other leaves go after the last such one. Used by workers that collate into the slot the
+    batch is sent from (NOTE [ Collating into the slot ] in server/worker.py)."""
+
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Encoded:
     """An encoded batch: its header, and the leaves still in their own memory until written.
 
@@ -113,7 +134,8 @@ class Encoded:
             dst = out[leaf.offset : leaf.offset + leaf.nbytes]
             src = leaf.source
             if isinstance(src, torch.Tensor):
-                _copy_tensor(src, dst)
+                if src.data_ptr() != dst.data_ptr():  # else it was made in place (Placed)
+                    _copy_tensor(src, dst)
                 continue
             if out_np is None:
                 out_np = out.numpy()
@@ -178,11 +200,16 @@ def _copy_tensor(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 class _Encoder:
-    def __init__(self, compressor: Compressor | None = None) -> None:
+    def __init__(self, compressor: Compressor | None = None, placed: Placed | None = None) -> None:
         self.leaves: list[_Leaf] = []
-        self.cursor = 0  # always the end of the last leaf: the payload's length so far
+        self.cursor = 0  # the end of the last leaf placed: the payload's length so far
         self.compressor = compressor
         self.arrays = 0  # tensor and array leaves so far: a leaf's number for the compressor
+        self.placed = placed
+        # Leaves found in `placed`, as (start, end) offsets, and the others, placed after them
+        # once all are known (place_the_rest).
+        self._in_place: list[tuple[int, int]] = []
+        self._rest: list[tuple[loader_pb2.Tensor, int, _Source]] = []
 
     def array_leaf(
         self, msg: loader_pb2.Tensor, nbytes: int, source: torch.Tensor | np.ndarray
@@ -200,9 +227,39 @@ class _Encoder:
         self.leaf(msg, nbytes, source)
 
     def leaf(self, msg: loader_pb2.Tensor, nbytes: int, source: _Source) -> None:
-        offset = -(-self.cursor // ALIGN) * ALIGN
+        offset = self._offset_in_place(nbytes, source)
+        if offset is None:
+            self._rest.append((msg, nbytes, source))
+            return
+        self._in_place.append((offset, offset + nbytes))
+        self._add(msg, offset, nbytes, source)
+
+    def _offset_in_place(self, nbytes: int, source: _Source) -> int | None:
+        """Where `source` lies in `placed`, if it is a tensor that may stay there: whole inside,
+        aligned, contiguous, and apart from the leaves already kept in place (two leaves never
+        share bytes, as when both are copied)."""
+        placed = self.placed
+        if placed is None or not nbytes or not isinstance(source, torch.Tensor):
+            return None
+        offset = source.data_ptr() - placed.address
+        if offset < 0 or offset % ALIGN or offset + nbytes > placed.nbytes:
+            return None
+        if not source.is_contiguous() or source.is_conj() or source.is_neg():
+            return None
+        if any(offset < end and start < offset + nbytes for start, end in self._in_place):
+            return None
+        return offset
+
+    def place_the_rest(self) -> None:
+        """Places the leaves not in place, in order, after the last one that is."""
+        self.cursor = max((end for _, end in self._in_place), default=0)
+        for msg, nbytes, source in self._rest:
+            self._add(msg, -(-self.cursor // ALIGN) * ALIGN, nbytes, source)
+        self._rest.clear()
+
+    def _add(self, msg: loader_pb2.Tensor, offset: int, nbytes: int, source: _Source) -> None:
         self.leaves.append(_Leaf(offset, nbytes, source))
-        self.cursor = offset + nbytes
+        self.cursor = max(self.cursor, offset + nbytes)
         msg.offset = offset
         msg.nbytes = nbytes
 
@@ -316,14 +373,17 @@ def _encode_key(node: loader_pb2.Node, key: object, path: str, depth: int) -> No
         raise EncodeError(f"cannot encode a dict key of type {kind} in {path}; {_SUPPORTED_KEYS}")
 
 
-def encode(obj: object, compressor: Compressor | None = None) -> Encoded:
+def encode(
+    obj: object, compressor: Compressor | None = None, placed: Placed | None = None
+) -> Encoded:
     """Describe `obj` as a header and record its leaves; no tensor data is copied (but for the
-    leaves `compressor` compresses)."""
+    leaves `compressor` compresses). Tensors already in `placed` keep their place there."""
     if compressor is not None:
         compressor.next_batch()
-    encoder = _Encoder(compressor)
+    encoder = _Encoder(compressor, placed)
     root = loader_pb2.Node()
     encoder.value(root, obj, "batch", 0)
+    encoder.place_the_rest()
     return Encoded(root.SerializeToString(), encoder.cursor, tuple(encoder.leaves))
 
 

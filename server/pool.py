@@ -371,9 +371,9 @@ class WorkerPool(ResizablePool):
         return Outcome(
             result.task_id,
             Delivery(
-                blob=slot.blob(result.total_nbytes),
+                blob=slot.blob(result.offset, result.total_nbytes),
                 header_nbytes=result.header_nbytes,
-                slot=slot.ref(result.generation),
+                slot=slot.ref(result.offset, result.generation),
                 release=functools.partial(self._slots.release, result.incarnation, result.slot),
             ),
         )

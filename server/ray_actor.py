@@ -23,6 +23,7 @@ import torch
 import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos.compression import Compressor, compressor_for
+from remote_loader.server.collating import use_collate_buffers
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 from remote_loader.server.worker import (
@@ -31,7 +32,6 @@ from remote_loader.server.worker import (
     build_dataset,
     make_batch,
     seed_rngs,
-    use_collate_buffers,
 )
 
 # What `make` returns (a tuple, so Ray serialises the array out of band):

@@ -37,10 +37,11 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from remote_loader.server.collating import WorkerSlots
 from remote_loader.server.ray_actor import BATCH, ERROR, EXHAUSTED, FATAL, RayWorker
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import RemoteError, Result, Task, _Slots
+from remote_loader.server.worker import RemoteError, Result, Task
 
 # How long the bridge waits for its actors to be placed and built before it gives up.
 ACTOR_START_TIMEOUT = 120.0
@@ -170,7 +171,7 @@ class _Bridge:
         )
         self.actors: list[Any] = []
         self.generations: list[int] = []
-        self.slots = _Slots()
+        self.slots = WorkerSlots()
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
         # one start-up per replaced actor.
@@ -263,14 +264,16 @@ class _Bridge:
             taken = self.slots.take(len(blob))
         # The one copy the bridge makes: out of Ray's object store into the slot the server
         # reads (the object goes back to Ray when `value` is dropped).
-        taken.blob.numpy()[:] = blob
-        self.slots.written(taken)
+        taken.blob(len(blob)).numpy()[:] = blob
+        with self.lock:
+            self.slots.written(taken)
+            new_buffer, dropped = self.slots.announce(taken.slot)
         return base(
             slot=taken.slot,
             header_nbytes=header_nbytes,
             total_nbytes=len(blob),
-            new_buffer=taken.new_buffer,
-            dropped=taken.dropped,
+            new_buffer=new_buffer,
+            dropped=dropped,
             generation=taken.generation,
             started_at=started,
             finished_at=finished,

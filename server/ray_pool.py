@@ -294,9 +294,9 @@ class RayPool(Tuned):
         return Outcome(
             result.task_id,
             Delivery(
-                blob=slot.blob(result.total_nbytes),
+                blob=slot.blob(result.offset, result.total_nbytes),
                 header_nbytes=result.header_nbytes,
-                slot=slot.ref(result.generation),
+                slot=slot.ref(result.offset, result.generation),
                 release=functools.partial(self._slots.release, 0, result.slot),
             ),
         )

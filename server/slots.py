@@ -35,13 +35,16 @@ class Slot:
     inode: int
     size: int
 
-    def blob(self, nbytes: int) -> memoryview:
-        return self.view[slot_protocol.SLOT_HEADER : slot_protocol.SLOT_HEADER + nbytes]
+    def blob(self, offset: int, nbytes: int) -> memoryview:
+        """The batch's blob, `offset` bytes into the slot (its Result says where)."""
+        if offset < slot_protocol.SLOT_HEADER or offset + nbytes > len(self.view):
+            raise ValueError(f"a {nbytes}-byte blob at {offset} lies outside its slot")
+        return self.view[offset : offset + nbytes]
 
-    def ref(self, generation: int) -> SlotRef | None:
+    def ref(self, offset: int, generation: int) -> SlotRef | None:
         if self.fd is None:
             return None
-        return SlotRef(self.fd, self.inode, self.size, slot_protocol.SLOT_HEADER, generation)
+        return SlotRef(self.fd, self.inode, self.size, offset, generation)
 
 
 def _slot(buffer: torch.Tensor) -> Slot:

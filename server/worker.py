@@ -18,64 +18,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
 from remote_loader.protos import codec
 from remote_loader.protos import slots as slot_protocol
-from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.compression import Compressor, compressor_for
+from remote_loader.server.collating import Arena, WorkerSlots, stacking_into, use_collate_buffers
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 
 # How often a blocked worker checks that the server still exists (torch uses the same 5 s).
 MP_STATUS_CHECK_INTERVAL = 5.0
-# Shared-memory slots grow in steps of this, so batches of slightly varying size reuse them.
-SLOT_GRANULE = 1 << 20
 
 
 class BatchTooLargeError(ValueError):
     """An encoded batch is bigger than the server's max_batch_bytes."""
-
-
-def collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
-    """torch's `collate_tensor_fn`, stacking into process memory instead of shared memory.
-
-    NOTE [ Collating in process memory ]
-
-    In a DataLoader worker (get_worker_info() is set) torch stacks a batch straight into a new
-    shared-memory tensor, so that the main process can map it without a copy. Here a batch never
-    leaves its worker as a tensor: it is encoded into one of the worker's reused slots. A fresh
-    shared-memory file per batch would only add its creation, page faults and zeroing: 6 ms
-    instead of 0.4 ms for a 9.6 MB batch on the benchmark machine, more than half of a local
-    DataLoader's time per batch. Values, dtype and shape are torch's; tensors torch refuses
-    (nested, sparse) still get torch's own error. Like torch's, the stack goes into an `out`
-    tensor of the first sample's dtype, contiguous: one of the worker's reused buffers (NOTE
-    [ Reused buffers ] in protos/buffers.py), since a fresh one costs its page faults again.
-    """
-    elem = batch[0]
-    if elem.is_nested or elem.layout != torch.strided:
-        # torch raises for nested and sparse tensors, and handles any other layout its way.
-        theirs: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        return theirs
-    out = None
-    if _collate_buffers is not None and elem.device.type == "cpu":
-        out = _collate_buffers.empty_as((len(batch), *elem.shape), elem.dtype)
-    return torch.stack(batch, 0, out=out)
-
-
-# The worker process's buffers for collate_tensors; None outside a worker (inline loading).
-_collate_buffers: BufferPool | None = None
-# Buffers a worker keeps: a batch's large tensors, twice over.
-COLLATE_BUFFERS = 8
-
-
-def use_collate_buffers() -> None:
-    """Makes this process a worker's: collate_tensors for default_collate (and any collate_fn
-    calling it, through torch's map, which is this process's own), into reused buffers."""
-    global _collate_buffers
-    _collate_buffers = BufferPool(COLLATE_BUFFERS)
-    torch_collate.default_collate_fn_map[torch.Tensor] = collate_tensors
 
 
 # The largest encoded batch a loader may make (max_batch_bytes). A batch is held whole in a
@@ -148,6 +105,7 @@ class Result:
     epoch_key: int
     task_id: int
     slot: int = -1
+    offset: int = slot_protocol.SLOT_HEADER  # where the blob starts in the slot
     header_nbytes: int = 0
     total_nbytes: int = 0
     # A slot the server has not seen yet (or that replaced a smaller one): a shared tensor.
@@ -261,64 +219,6 @@ class Fetcher:
 # --- the worker process -------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Taken:
-    """A slot taken for one batch: write it into `blob`, then call `_Slots.written`."""
-
-    slot: int
-    blob: torch.Tensor  # the slot past its header (NOTE [ Zero-copy slots ])
-    new_buffer: torch.Tensor | None  # the whole slot, if the server has not seen it yet
-    dropped: tuple[int, ...]
-    generation: int  # the slot's generation once the batch is written
-
-
-class _Slots:
-    """This worker's shared-memory buffers; the server reads a slot until it releases it.
-
-    Each slot starts with its generation word (protos/slots.py): odd while a batch is being
-    written, then the even value the Result carries, so a same-host client reading the slot
-    directly can tell a batch from a slot reused under it.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._free: set[int] = set()
-        self._next_id = 0
-
-    def release(self, ids: tuple[int, ...]) -> None:
-        self._free.update(i for i in ids if i in self._buffers)
-
-    def take(self, nbytes: int) -> Taken:
-        """A free slot for an nbytes batch, marked as being written."""
-        need = slot_protocol.SLOT_HEADER + nbytes
-        fitting = [i for i in self._free if self._buffers[i].numel() >= need]
-        new_buffer = None
-        dropped: tuple[int, ...] = ()
-        if fitting:
-            slot = min(fitting, key=lambda i: self._buffers[i].numel())
-            self._free.discard(slot)
-        else:
-            # Nothing fits: replace the free slots that are too small rather than keep them, so
-            # the number of slots stays bounded by the tasks in flight.
-            dropped = tuple(self._free)
-            for i in dropped:
-                del self._buffers[i]
-            self._free.clear()
-            size = -(-need // SLOT_GRANULE) * SLOT_GRANULE
-            new_buffer = torch.zeros(size, dtype=torch.uint8).share_memory_()
-            slot = self._next_id
-            self._next_id += 1
-            self._buffers[slot] = new_buffer
-        buffer = self._buffers[slot]
-        generation = slot_protocol.begin_write(buffer.numpy().data)
-        blob = buffer[slot_protocol.SLOT_HEADER : need]
-        return Taken(slot, blob, new_buffer, dropped, generation)
-
-    def written(self, taken: Taken) -> None:
-        """The batch is whole in the slot."""
-        slot_protocol.end_write(self._buffers[taken.slot].numpy().data, taken.generation)
-
-
 def _server_alive(server_pid: int, parent_pid: int) -> bool:
     # Our parent is the fork server, which exits with the server; a changed parent pid means it is
     # gone. The server's own pid is checked too, in case the fork server outlives it, and a
@@ -348,7 +248,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     # Ctrl-C belongs to the server, which shuts the pool down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
-    use_collate_buffers()  # NOTE [ Collating in process memory ]
+    use_collate_buffers()  # NOTE [ Collating in process memory ] in server/collating.py
     parent_pid = os.getppid()
     where = f"in DataLoader worker process {cfg.worker_id}"
     init_error: RemoteError | None = None
@@ -361,7 +261,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         collate_fn = cfg.batching.collate_fn(cfg.spec)
     except Exception as exc:
         init_error = RemoteError.capture(where, exc)
-    slots = _Slots()
+    slots = WorkerSlots()
     epoch_key = -1
     initialized = False
     while True:
@@ -421,21 +321,24 @@ def make_batch(
     max_batch_bytes: int,
     where: str,
     compressor: Compressor | None = None,
+    arena: Arena | None = None,
 ) -> Made:
     """One task, the same in a worker process and inline (num_workers=0): seed the RNGs (with
-    seeding = "per_batch"), fetch and collate, encode (compressing the leaves that shrink when
-    the epoch asks), check the size. The size is checked before anything takes a
-    shared-memory slot: an oversized batch never reaches it."""
+    seeding = "per_batch"), fetch and collate (stacking into `arena` what fits: NOTE
+    [ Collating into the slot ] in server/collating.py), encode (compressing the leaves that
+    shrink when the epoch asks), check the size. The size is checked before anything is
+    written to a shared-memory slot: an oversized batch never reaches one."""
     if seed is not None:
         seed_rngs(seed, 0)
     try:
-        batch = fetcher.fetch(indices)
+        with stacking_into(arena):
+            batch = fetcher.fetch(indices)
     except StopIteration:
         return Made()
     except Exception as exc:
         return Made(error=RemoteError.capture(where, exc))
     try:
-        encoded = codec.encode(batch, compressor)
+        encoded = codec.encode(batch, compressor, arena.placed if arena is not None else None)
         check_batch_size(encoded.total_nbytes, max_batch_bytes)
     except Exception as exc:
         return Made(error=RemoteError.capture(f"encoding a batch {where}", exc))
@@ -446,7 +349,7 @@ def _run_task(
     cfg: WorkerConfig,
     task: Task,
     fetcher: Fetcher | None,
-    slots: _Slots,
+    slots: WorkerSlots,
     init_error: RemoteError | None,
     where: str,
     compressor: Compressor | None,
@@ -467,20 +370,29 @@ def _run_task(
     if init_error is not None:
         return base(error=init_error, fatal=True)
     assert fetcher is not None
-    made = make_batch(fetcher, task.indices, task.seed, cfg.max_batch_bytes, where, compressor)
-    if made.error is not None:
-        return base(error=made.error)
+    # Compressed leaves are made apart from the slot: nothing to stack in place.
+    arena = slots.arena() if compressor is None else None
+    made = make_batch(
+        fetcher, task.indices, task.seed, cfg.max_batch_bytes, where, compressor, arena
+    )
     if made.encoded is None:
+        if arena is not None:
+            slots.give_back(arena.taken)
+        if made.error is not None:
+            return base(error=made.error)
         return base(exhausted=True)
     encoded = made.encoded
-    taken = slots.take(encoded.total_nbytes)
-    encoded.write_blob(taken.blob)
-    slots.written(taken)
+    taken, offset = slots.place(encoded, arena)
+    header_nbytes, total_nbytes = len(encoded.header), encoded.total_nbytes
+    # The batch's tensors view the slot: none may outlive the task (WorkerSlots.take).
+    del made, encoded, arena
+    new_buffer, dropped = slots.announce(taken.slot)
     return base(
         slot=taken.slot,
-        header_nbytes=len(encoded.header),
-        total_nbytes=encoded.total_nbytes,
-        new_buffer=taken.new_buffer,
-        dropped=taken.dropped,
+        offset=offset,
+        header_nbytes=header_nbytes,
+        total_nbytes=total_nbytes,
+        new_buffer=new_buffer,
+        dropped=dropped,
         generation=taken.generation,
     )

@@ -344,8 +344,8 @@ _KEPT: list[Any] = []  # per worker process: every batch keeping_collate made th
 
 def keeping_collate(samples: list[Any]) -> dict[str, Any]:
     """default_collate, keeping every batch it made (a collate_fn that caches its output), and
-    returning beside the batch a copy of the first one it made in this worker now: it reads the
-    same as when it was made unless something reused its memory."""
+    returning beside the batch the first byte of each sample of every batch it kept in this
+    worker, read now: they are what they were unless something reused their memory."""
     batch = torch.utils.data.default_collate(samples)
     _KEPT.append(batch)
-    return {"batch": batch, "first": _KEPT[0]["data"].clone()}
+    return {"batch": batch, "kept": torch.stack([kept["data"][:, 0] for kept in _KEPT])}
