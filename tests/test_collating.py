@@ -14,7 +14,7 @@ import torch
 import torch.utils.data._utils.collate as torch_collate
 from torch.utils.data import default_collate
 
-from remote_loader.protos import codec
+from remote_loader.protos import codec, encoding
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server import collating
 from remote_loader.server.collating import HEADER_ROOM, WorkerSlots
@@ -69,13 +69,13 @@ def test_from_the_second_batch_tensors_are_stacked_where_the_server_reads_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     copies: list[int] = []
-    real = codec._copy_tensor
+    real = encoding._copy_tensor
 
     def counting(src: torch.Tensor, dst: torch.Tensor) -> None:
         copies.append(dst.numel())
         real(src, dst)
 
-    monkeypatch.setattr(codec, "_copy_tensor", counting)
+    monkeypatch.setattr(encoding, "_copy_tensor", counting)
     slots = WorkerSlots()
     first = make(slots, samples(8))
     assert first.offset == slot_protocol.SLOT_HEADER and len(copies) == 2  # no arena yet
