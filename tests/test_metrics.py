@@ -83,8 +83,10 @@ def squares(name: str = "sq", n: int = 48, **options: Any) -> LoaderSpec:
 
 @pytest.mark.timeout(60)
 def test_a_partitioned_epoch_is_counted_per_consumer(serve_metered: ServeMetered) -> None:
-    served = serve_metered(squares())  # 12 batches: 6 per rank
-    loaders = [RemoteLoader(served.address, rank=r, world_size=2) for r in range(2)]
+    # 16 batches per rank: more than a stream can run ahead of its training loop (a 4-batch
+    # ring, `prefetch` queued, one in the receiver), so both are still attached at the scrape.
+    served = serve_metered(squares(n=128))
+    loaders = [RemoteLoader(served.address, rank=r, world_size=2, prefetch=2) for r in range(2)]
     try:
         its = [iter(loader) for loader in loaders]
         for it in its:
@@ -92,7 +94,7 @@ def test_a_partitioned_epoch_is_counted_per_consumer(serve_metered: ServeMetered
         attached = scrape(served)
         assert value(attached, "remote_loader_consumers", loader="sq") == 2
         for it in its:
-            assert len(list(it)) == 5
+            assert len(list(it)) == 15
         stats = [loader.stats() for loader in loaders]
     finally:
         for loader in loaders:
@@ -100,17 +102,17 @@ def test_a_partitioned_epoch_is_counted_per_consumer(serve_metered: ServeMetered
     samples = scrape(served)
     for rank, s in enumerate(stats):
         consumer = {"loader": "sq", "job": "default", "sharing": "partition", "rank": str(rank)}
-        assert s.batches == 6 and s.bytes > 0
-        assert value(samples, "remote_loader_batches_served_total", **consumer) == 6
+        assert s.batches == 16 and s.bytes > 0
+        assert value(samples, "remote_loader_batches_served_total", **consumer) == 16
         assert value(samples, "remote_loader_bytes_served_total", **consumer) == s.bytes
         assert value(samples, "remote_loader_batch_errors_total", **consumer) == 0
     assert value(samples, "remote_loader_consumers", loader="sq") == 0
     assert not [key for key in samples if key[0] == "remote_loader_consumer_lag_batches"]
     for name in HISTOGRAMS:
-        assert value(samples, f"{name}_count", loader="sq") == 12, name
+        assert value(samples, f"{name}_count", loader="sq") == 32, name
     for queue in ("index", "result", "reorder", "lane"):
         count = value(samples, "remote_loader_queue_wait_seconds_count", loader="sq", queue=queue)
-        assert count == 12, queue
+        assert count == 32, queue
     latency = value(samples, "remote_loader_batch_latency_seconds_sum", loader="sq")
     assert latency is not None and 0 < latency < 60
     assert value(samples, "remote_loader_worker_restarts_total", loader="sq") == 0
