@@ -23,7 +23,8 @@ server CPU ratio is at most 1.3.
 Run from the repository root:
 
     python benchmarks/broadcast.py [--workload heavy|images|demo] [--consumers 2,4,8]
-                                   [--transport auto|tcp|grpc] [--epochs 2] [--rounds 3]
+                                   [--transport auto|tcp|grpc] [--data-connections N]
+                                   [--epochs 2] [--rounds 3]
                                    [--batch-size 64] [--workers 2] [--samples N]
     python benchmarks/broadcast.py --quick      # smoke run: 1 epoch, 1 round, few samples
 """
@@ -162,6 +163,7 @@ class Order:
     first_epoch: int
     epochs: int
     transport: str
+    data_connections: int | None  # the client's (None: its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +193,7 @@ def consumer_main(conn: multiprocessing.connection.Connection, address: str) -> 
                     world_size=order.world_size,
                     device="cpu",
                     transport=order.transport,
+                    data_connections=order.data_connections,
                     timeout=BATCH_TIMEOUT,
                     connect_timeout=CONNECT_TIMEOUT,
                 ) as loader:
@@ -369,8 +372,13 @@ def ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def orders(job: str, n: int, first_epoch: int, epochs: int, transport: str) -> list[Order]:
-    return [Order(job, rank, n, first_epoch, epochs, transport) for rank in range(n)]
+def orders(
+    job: str, n: int, first_epoch: int, epochs: int, args: argparse.Namespace
+) -> list[Order]:
+    return [
+        Order(job, rank, n, first_epoch, epochs, args.transport, args.data_connections)
+        for rank in range(n)
+    ]
 
 
 def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
@@ -385,7 +393,7 @@ def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
         total = 1 + (1 + len(args.consumers)) * args.rounds
         with tqdm(total=total, unit="run", desc="warm-up", leave=False) as bar:
             # Epoch 0, read by everyone: workers, code paths and the consumers' imports warm.
-            warm = orders("bench-warmup", most, 0, 1, args.transport)
+            warm = orders("bench-warmup", most, 0, 1, args)
             _, warm_wall, warm_cpu = consumers.read(warm, tree)
             bar.update(1)
             for r in range(args.rounds):
@@ -395,7 +403,7 @@ def run(args: argparse.Namespace) -> tuple[list[Round], ServerCpu, float]:
                 productions = {}
                 for n in (1, *args.consumers):
                     bar.set_description(f"round {r + 1}/{args.rounds}: {n} consumer(s)")
-                    job = orders(f"bench-{r}-{n}", n, first, args.epochs, args.transport)
+                    job = orders(f"bench-{r}-{n}", n, first, args.epochs, args)
                     productions[n] = Production(n, *consumers.read(job, tree))
                     bar.update(1)
                 single = productions.pop(1)
@@ -493,6 +501,12 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help='the consumers\' transport ("auto": shared memory on this host)',
     )
+    parser.add_argument(
+        "--data-connections",
+        type=int,
+        default=None,
+        help="each consumer's data_connections over tcp (default: RemoteLoader's)",
+    )
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per production")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -516,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     samples = "512 (the demo folder)" if args.workload == "demo" else str(args.samples)
     print(
         f"broadcast sharing, server CPU for {args.consumers} consumers vs 1 over "
-        f"transport={args.transport}: workload "
+        f"transport={args.transport} (data_connections={args.data_connections}): workload "
         f"{args.workload} ({WORKLOADS[args.workload]}), {samples} samples, batch "
         f"{args.batch_size}, {args.workers} server workers, {args.epochs} epoch(s) per "
         f"production, {args.rounds} round(s)\n{os.cpu_count()} CPUs, torch {torch.__version__}, "
