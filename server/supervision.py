@@ -22,8 +22,8 @@ MAX_TASK_ATTEMPTS = 3
 # NOTE [ Worker Failures ]
 #
 # The rules every pool backend applies; the backend notices and replaces workers (for worker
-# processes: NOTE [ Replacing a Worker Process ] in server/pool.py), the TaskLedger keeps the
-# books the rules need.
+# processes: NOTE [ Replacing a Worker Process ] in server/pool_supervision.py), the TaskLedger
+# keeps the books the rules need.
 #
 # Detection (backend): every poll checks that each worker is alive at least every POLL_INTERVAL
 # (0.1 s) while a Run waits for results, so a worker that died (SIGKILL, a segfault, os._exit)
