@@ -12,7 +12,8 @@ import torch
 from benchmarks import ceilings
 
 if TYPE_CHECKING:
-    from benchmarks.compare import Epoch, Side, Workload
+    from benchmarks.compare import Workload
+    from benchmarks.measure import Epoch, Side
 
 MB = 1e6
 
