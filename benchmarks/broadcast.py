@@ -6,8 +6,8 @@ per consumer (same host, zero-copy: a small message; over a data connection: the
 into the socket). This benchmark starts `remote-loader serve` as a separate process (persistent
 workers) on a workload from benchmarks/workloads.py (or the built-in demo image folder) and
 max(`--consumers`) consumer processes (spawn), each a `RemoteLoader` on the CPU with
-`--transport` ("auto": shared memory here; "tcp": a data connection, as from another host).
-After one untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a
+`--transport` ("auto": shared memory here; "tcp": a data connection, as from another host),
+holding each batch `--step-ms` (a trainer's step; 0: reading as fast as it can). After one untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a
 fresh production (a job name of its own) for 1 consumer and then for each N of `--consumers`:
 
   (a) 1 consumer:  sharing="broadcast", world_size=1
@@ -24,7 +24,7 @@ Run from the repository root:
 
     python benchmarks/broadcast.py [--workload heavy|images|demo] [--consumers 2,4,8]
                                    [--transport auto|tcp|grpc] [--data-connections N]
-                                   [--epochs 2] [--rounds 3]
+                                   [--epochs 2] [--rounds 3] [--step-ms 0]
                                    [--batch-size 64] [--workers 2] [--samples N]
     python benchmarks/broadcast.py --quick      # smoke run: 1 epoch, 1 round, few samples
 """
@@ -154,7 +154,16 @@ def orders(
     job: str, n: int, first_epoch: int, epochs: int, args: argparse.Namespace
 ) -> list[Order]:
     return [
-        Order(job, rank, n, first_epoch, epochs, args.transport, args.data_connections)
+        Order(
+            job,
+            rank,
+            n,
+            first_epoch,
+            epochs,
+            args.transport,
+            args.data_connections,
+            args.step_ms / 1000,
+        )
         for rank in range(n)
     ]
 
@@ -285,6 +294,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="each consumer's data_connections over tcp (default: RemoteLoader's)",
     )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="each consumer holds each batch this long, as a trainer's step would (default 0: "
+        "it reads as fast as it can)",
+    )
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per production")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -305,13 +321,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.workers < 0:
         raise SystemExit("--workers must be at least 0")
+    if not args.step_ms >= 0:
+        raise SystemExit("--step-ms must be at least 0")
     samples = "512 (the demo folder)" if args.workload == "demo" else str(args.samples)
     print(
         f"broadcast sharing, server CPU for {args.consumers} consumers vs 1 over "
         f"transport={args.transport} (data_connections={args.data_connections}): workload "
         f"{args.workload} ({WORKLOADS[args.workload]}), {samples} samples, batch "
         f"{args.batch_size}, {args.workers} server workers, {args.epochs} epoch(s) per "
-        f"production, {args.rounds} round(s)\n{os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"production, {args.rounds} round(s), consumer step {args.step_ms:g} ms\n"
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"grpcio {grpc.__version__}; server CPU = the server process (main) + its fork server "
         "and workers\n",
         flush=True,

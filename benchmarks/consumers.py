@@ -113,6 +113,7 @@ class Order:
     epochs: int
     transport: str
     data_connections: int | None  # the client's (None: its default)
+    step: float = 0.0  # seconds each batch is held, as a trainer's step would (a sleep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,8 @@ def consumer_main(conn: multiprocessing.connection.Connection, address: str) -> 
                         n = 0
                         for batch in loader:
                             _digest_update(digest, batch)
+                            if order.step:
+                                time.sleep(order.step)
                             n += 1
                         counts.append(n)
                     seconds = time.perf_counter() - start

@@ -23,10 +23,11 @@ share IPC), a stream can skip all of that:
     ShmBatch frame and unlinks its name:      sends a Frame with an ShmBatch: ring, offset and
     from then on only the two mappings        the cursor to release once it is read.
     keep it alive.
-    copies the batch out (its one copy,       waits, polling, until the client's cursor leaves
-    into pinned memory with CUDA) and         room for the next batch; stops waiting when the
-    stores the frame's `release` into the     stream is cancelled or the consumer detached.
-    ring's cursor word.
+    copies the batch out (its one copy,       waits until the client's cursor leaves room for
+    into pinned memory with CUDA), stores     the next batch (asleep on the ring's doorbell,
+    the frame's `release` into the ring's     NOTE [ Doorbell ] in protos/doorbell.py); stops
+    cursor word and rings the doorbell.       waiting when the stream is cancelled or the
+                                              consumer detached.
 
 Bounds: one ring per stream, at most `max_ring_bytes` (a bigger batch goes as plain Frames);
 the server is at most a ring ahead of the client, so the ring replaces gRPC's buffering.
@@ -102,6 +103,8 @@ from multiprocessing import resource_tracker
 
 import numpy as np
 
+from remote_loader.protos import doorbell
+
 SHM_DIR = "/dev/shm"
 PROBE_PREFIX = "rl-probe-"
 RING_PREFIX = "rl-ring-"
@@ -112,11 +115,13 @@ _RING_NAME = re.compile(r"rl-ring-[0-9a-f]{32}")
 NONCE_BYTES = 16
 
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
-# ring), [16, 24) the client's heartbeat, the rest of the first 64 bytes unused, then the data.
+# ring), [16, 24) the client's heartbeat, [24] the client rings the doorbell (NOTE [ Doorbell ]
+# in protos/doorbell.py), the rest of the first 64 bytes unused, then the data.
 RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
 _HEARTBEAT_AT = 16
+_RINGS_AT = 24
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -126,8 +131,8 @@ RING_BATCHES = 4
 # hence the compose file's shm_size.
 DEFAULT_MAX_RING_BYTES = 256 * 1024 * 1024
 
-# Waiting for room: polls start short (a batch is usually copied out within a millisecond or
-# two) and back off to this, so a stalled client costs the server little.
+# Waiting for room without a doorbell: polls start short (a batch is usually copied out within a
+# millisecond or two) and back off to this, so a stalled client costs the server little.
 _MAX_POLL = 0.002
 
 
@@ -243,6 +248,11 @@ def wait_until(ready: Callable[[], bool], stopped: Callable[[], bool], poll: flo
     return True
 
 
+def _bell_name(ring: str) -> str:
+    """The doorbell beside ring `ring` (NOTE [ Doorbell ]): the same random part."""
+    return doorbell.BELL_PREFIX + ring[len(RING_PREFIX) :]
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -295,6 +305,10 @@ class RingWriter:
         os.close(fd)  # the mapping keeps the file
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
         self._closed = False
+        self._bell: doorbell.Doorbell | None = None
+        # Without one (no FIFOs here), waits for the client poll the cursor.
+        with contextlib.suppress(OSError):
+            self._bell = doorbell.Doorbell(SHM_DIR, _bell_name(self.name), owner_uid)
 
     def consumed(self) -> int:
         return int(_CURSOR.unpack_from(self._mm, 0)[0])
@@ -326,12 +340,23 @@ class RingWriter:
             consumed = self.consumed()
             return end - consumed <= self.capacity or consumed >= written
 
-        if not wait_until(room, stopped, poll):
+        if not self.wait(room, stopped, poll):
             return None
         # numpy copies without holding the GIL, so other streams' threads run meanwhile.
         np.copyto(self._data[pos : pos + n], np.frombuffer(blob, dtype=np.uint8))
         self._written = end
         return pos, end
+
+    def wait(self, ready: Callable[[], bool], stopped: Callable[[], bool], poll: float) -> bool:
+        """Waits for the client to make `ready()` true: asleep on the ring's doorbell while the
+        client rings it (NOTE [ Doorbell ]), else polling from `poll` s. False: `stopped()`."""
+        if self._bell is not None and self._mm[_RINGS_AT]:
+            done = self._bell.wait(ready, stopped)
+            if done is not None:
+                return done
+            self._bell.close()  # the client closed its end
+            self._bell = None
+        return wait_until(ready, stopped, poll)
 
     def attached(self) -> bool:
         return bool(self._mm[_ATTACHED_AT])
@@ -354,6 +379,9 @@ class RingWriter:
             return
         self._closed = True
         self._forget_name()
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         self._data = None
         with contextlib.suppress(BufferError):  # a view is alive; the mapping goes with it
             self._mm.close()
@@ -382,6 +410,12 @@ class RingReader:
             os.close(fd)
             _unlink(name)  # both mappings keep it alive now; nothing is left to clean up
         self._mm[_ATTACHED_AT] = 1
+        self._ringer: doorbell.Ringer | None = None
+        try:
+            self._ringer = doorbell.Ringer(_path(_bell_name(name)))
+            self._mm[_RINGS_AT] = 1
+        except OSError:
+            pass  # an older server, or no FIFOs here: it polls the cursor
         self._beats = 0
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
 
@@ -398,6 +432,8 @@ class RingReader:
     def release(self, cursor: int) -> None:
         _CURSOR.pack_into(self._mm, 0, cursor)
         self.beat()
+        if self._ringer is not None:
+            self._ringer.ring()  # after the cursor: NOTE [ Doorbell ]
 
     def beat(self) -> None:
         """Tells the server this client is alive (its receiver runs): NOTE [ Ring space ]."""
@@ -407,5 +443,8 @@ class RingReader:
 
     def close(self) -> None:
         self._data = None
+        if self._ringer is not None:
+            self._ringer.close()
+            self._ringer = None
         with contextlib.suppress(BufferError):  # a view is alive; the mapping goes with it
             self._mm.close()

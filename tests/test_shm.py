@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.protos import doorbell, shm
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import (
     ServeLoaders,
@@ -46,11 +46,17 @@ def mapped_rings(pid: int) -> list[str]:
         return [line for line in f if shm.RING_PREFIX in line]
 
 
+def left_in_dev_shm() -> set[str]:
+    """The rings in /dev/shm, and their doorbells (NOTE [ Doorbell ] in protos/doorbell.py)."""
+    prefixes = (shm.RING_PREFIX, doorbell.BELL_PREFIX)
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefixes)}
+
+
 @pytest.fixture(autouse=True)
 def _no_ring_left_behind() -> Iterator[None]:
-    before = rings()
+    before = left_in_dev_shm()
     yield
-    assert wait_until(lambda: not rings() - before, 5.0), rings() - before
+    assert wait_until(lambda: not left_in_dev_shm() - before, 5.0), left_in_dev_shm() - before
 
 
 # --- the probe -----------------------------------------------------------------------------
