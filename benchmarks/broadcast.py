@@ -7,8 +7,9 @@ into the socket). This benchmark starts `remote-loader serve` as a separate proc
 workers) on a workload from benchmarks/workloads.py (or the built-in demo image folder) and
 max(`--consumers`) consumer processes (spawn), each a `RemoteLoader` on the CPU with
 `--transport` ("auto": shared memory here; "tcp": a data connection, as from another host),
-holding each batch `--step-ms` (a trainer's step; 0: reading as fast as it can). After one untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a
-fresh production (a job name of its own) for 1 consumer and then for each N of `--consumers`:
+holding each batch `--step-ms` (a trainer's step; 0: reading as fast as it can). After one
+untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a fresh
+production (a job name of its own) for 1 consumer and then for each N of `--consumers`:
 
   (a) 1 consumer:  sharing="broadcast", world_size=1
   (b) N consumers: sharing="broadcast", world_size=N, ranks 0..N-1, one job
