@@ -306,7 +306,7 @@ class RingWriter:
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
         self._closed = False
         self._bell: doorbell.Doorbell | None = None
-        # Without one (no FIFOs here), waits for the client poll the cursor.
+        # Without one (no Unix sockets in /dev/shm here), waits for the client poll the cursor.
         with contextlib.suppress(OSError):
             self._bell = doorbell.Doorbell(SHM_DIR, _bell_name(self.name), owner_uid)
 
@@ -351,11 +351,7 @@ class RingWriter:
         """Waits for the client to make `ready()` true: asleep on the ring's doorbell while the
         client rings it (NOTE [ Doorbell ]), else polling from `poll` s. False: `stopped()`."""
         if self._bell is not None and self._mm[_RINGS_AT]:
-            done = self._bell.wait(ready, stopped)
-            if done is not None:
-                return done
-            self._bell.close()  # the client closed its end
-            self._bell = None
+            return self._bell.wait(ready, stopped)
         return wait_until(ready, stopped, poll)
 
     def attached(self) -> bool:
@@ -415,7 +411,7 @@ class RingReader:
             self._ringer = doorbell.Ringer(_path(_bell_name(name)))
             self._mm[_RINGS_AT] = 1
         except OSError:
-            pass  # an older server, or no FIFOs here: it polls the cursor
+            pass  # an older server, or no socket it can reach: it polls the cursor
         self._beats = 0
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
 
