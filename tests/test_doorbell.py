@@ -52,14 +52,24 @@ def full_ring() -> tuple[shm.RingWriter, shm.RingReader, int]:
     return writer, reader, placed[1]
 
 
-def release_later(reader: shm.RingReader, cursor: int) -> threading.Thread:
+def wait_for_a_late_release(
+    writer: shm.RingWriter, reader: shm.RingReader, cursor: int
+) -> tuple[int, float]:
+    """The server waits for the client, which releases `cursor` RELEASE_AFTER s later: how
+    many times the server looked at the cursor, and how long it waited."""
+    ready, calls = counted(lambda: writer.consumed() >= cursor)
+
     def release() -> None:
         time.sleep(RELEASE_AFTER)
         reader.release(cursor)
 
-    thread = threading.Thread(target=release)
-    thread.start()
-    return thread
+    releasing = threading.Thread(target=release)
+    releasing.start()
+    start = time.monotonic()
+    assert writer.wait(ready, lambda: False, 50e-6)
+    waited = time.monotonic() - start
+    releasing.join()
+    return calls[0], waited
 
 
 def test_a_waiting_server_sleeps_until_the_client_releases(
@@ -68,16 +78,11 @@ def test_a_waiting_server_sleeps_until_the_client_releases(
     monkeypatch.setattr(doorbell, "BELL_TICK", LONG_TICK)
     writer, reader, cursor = full_ring()
     try:
-        ready, calls = counted(lambda: writer.consumed() >= cursor)
-        releasing = release_later(reader, cursor)
-        start = time.monotonic()
-        assert writer.wait(ready, lambda: False, 50e-6)
-        waited = time.monotonic() - start
-        releasing.join()
+        looks, waited = wait_for_a_late_release(writer, reader, cursor)
         # Woken by the ring, not by a tick: one look before the sleep, one after the wake (a
         # few more if the release raced the first looks). Polling would look every 2 ms.
         assert waited < LONG_TICK / 2
-        assert calls[0] <= 6, f"the cursor was looked at {calls[0]} times in {waited:.2f} s"
+        assert looks <= 6, f"the cursor was looked at {looks} times in {waited:.2f} s"
     finally:
         reader.close()
         writer.close()
@@ -94,13 +99,9 @@ def test_without_a_bell_the_server_polls(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(doorbell.Ringer, "__init__", unreachable)
     writer, reader, cursor = full_ring()
     try:
-        ready, calls = counted(lambda: writer.consumed() >= cursor)
-        releasing = release_later(reader, cursor)
-        start = time.monotonic()
-        assert writer.wait(ready, lambda: False, 50e-6)
-        releasing.join()
-        assert time.monotonic() - start < LONG_TICK / 2
-        assert calls[0] > 6  # it polled
+        looks, waited = wait_for_a_late_release(writer, reader, cursor)
+        assert waited < LONG_TICK / 2
+        assert looks > 6  # it polled
     finally:
         reader.close()
         writer.close()
