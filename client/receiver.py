@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,13 +31,17 @@ from remote_loader.client.errors import (
     map_rpc_error,
 )
 from remote_loader.client.transports import StreamEnds, Transports, TransportUnusable
-from remote_loader.protos import codec, wire
+from remote_loader.protos import codec
+from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.buffers import BufferPool
 
 log = logging.getLogger(__name__)
 
 # How often a blocked put or get wakes up to check whether the other side is still there.
 POLL_INTERVAL = 0.1
+# How long a stream whose batch was reused under the copy may take to end with its status (the
+# server's reason: a broadcast consumer detached) before it is resumed as merely broken.
+STATUS_WAIT = 1.0
 # Reconnecting: the first wait, and the most any one wait grows to (it doubles per attempt).
 DEFAULT_BACKOFF = 0.5
 MAX_BACKOFF = 8.0
@@ -169,7 +174,7 @@ class Receiver(threading.Thread):
                 self._call = self._open_stream(self._expected, ends)
             before = self._expected
             try:
-                final = self._receive(iter(self._call), ends)
+                final = self._receive(self._call, ends)
             except TransportUnusable as exc:
                 log.warning(
                     "%s: %s; continuing %s from batch %d",
@@ -240,10 +245,14 @@ class Receiver(threading.Thread):
         gave_up.__cause__ = error
         return gave_up
 
-    def _receive(self, frames: Iterator[bytes], ends: StreamEnds) -> Item:
-        """Reads one stream; raises _Broken when a new stream could take over from here."""
+    def _receive(self, call: Any, ends: StreamEnds) -> Item:
+        """Reads one stream (`call`: its gRPC call, an iterator of messages); raises _Broken
+        when a new stream could take over from here."""
         self._finished = None
         self._ends = ends
+        frames = ends.frames(
+            iter(call), call_done=call.done, stopped=self._stopped.is_set, start=self._expected
+        )
         try:
             return self._read(frames, ends)
         except grpc.RpcError as exc:
@@ -254,21 +263,32 @@ class Receiver(threading.Thread):
                 raise _Broken(map_rpc_error(exc, self._what)) from exc
             raise
         except ConnectionLostError as exc:
+            # A slot or board record reused under this client: if the server let go of the
+            # stream (a broadcast consumer detached), its status says why, not the torn read.
+            # The server ends such a stream at its next look (a tick): wait that long for it.
+            deadline = time.monotonic() + STATUS_WAIT
+            while not call.done() and time.monotonic() < deadline:
+                if self._stopped.wait(0.01):
+                    break
+            if call.done():
+                try:
+                    for _ in call:
+                        pass
+                except grpc.RpcError as status:
+                    code = status.code() if isinstance(status, grpc.Call) else None
+                    if code in RETRYABLE and not self._stopped.is_set():
+                        raise _Broken(map_rpc_error(status, self._what)) from status
+                    raise
             raise _Broken(exc) from exc
         finally:
             self._ends = None
             ends.close()  # each stream has its own probe, ring and data connection
 
-    def _read(self, frames: Iterator[bytes], ends: StreamEnds) -> Item:
+    def _read(self, frames: Iterator[tuple[pb.Frame, memoryview]], ends: StreamEnds) -> Item:
         expected = self._expected
         assembly: Assembly | None = None
         finished: Finished | None = None
-        for message in frames:
-            ends.answered()
-            try:
-                meta, data = wire.parse_frame(message)
-            except wire.FrameError as exc:
-                raise ProtocolError(f"{self._what}: {exc}") from exc
+        for meta, data in frames:
             if finished is not None:
                 raise ProtocolError(f"{self._what}: a frame arrived after the end of the stream")
             if assembly is None:

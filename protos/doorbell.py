@@ -91,13 +91,23 @@ class Doorbell:
             self._poll.poll(BELL_TICK * 1000)
         return True
 
-    def _drain(self) -> None:
-        """Reads what the client rang so far (at most the socket's queue)."""
+    def sleep(self, timeout: float) -> None:
+        """Returns once the client has rung since the last call, or after `timeout` seconds;
+        the caller then looks at what the ring is about (no wake-up is lost: as in `wait`)."""
+        if self._drain():
+            return
+        if self._poll.poll(timeout * 1000):
+            self._drain()
+
+    def _drain(self) -> bool:
+        """Reads what the client rang so far (at most the socket's queue): whether it had."""
+        rang = False
         while True:
             try:
                 self._sock.recv(_DRAIN)
             except BlockingIOError:
-                return
+                return rang
+            rang = True
 
     def close(self) -> None:
         """Unlinks the name (if the client has not) and closes the socket; idempotent."""

@@ -116,12 +116,14 @@ NONCE_BYTES = 16
 
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
 # ring), [16, 24) the client's heartbeat, [24] the client rings the doorbell (NOTE [ Doorbell ]
-# in protos/doorbell.py), the rest of the first 64 bytes unused, then the data.
+# in protos/doorbell.py), [25] the server asks it not to (NOTE [ Broadcast board ]: it reads
+# the cursor when it needs it), the rest of the first 64 bytes unused, then the data.
 RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
 _HEARTBEAT_AT = 16
 _RINGS_AT = 24
+_QUIET_AT = 25
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -265,6 +267,48 @@ def ring_bytes_for(batch_nbytes: int, max_ring_bytes: int) -> int | None:
     return min(RING_BATCHES * one, max_ring_bytes // ALIGN * ALIGN)
 
 
+def create_segment(name: str, size: int, owner_uid: int | None = None) -> mmap.mmap:
+    """Creates /dev/shm/`name` (mode 0600, `size` bytes reserved) and maps it read-write.
+
+    The resource tracker unlinks the name if this process dies before `forget_segment(name)`.
+    A root process gives the file to `owner_uid` (the client's user). Raises ShmUnavailable.
+    """
+    try:
+        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot create {_path(name)}: {exc}") from exc
+    # From here the name exists: the resource tracker unlinks it if this process dies before
+    # forget_segment does (the name it expects is shm_open's, with a leading slash).
+    resource_tracker.register("/" + name, "shared_memory")
+    try:
+        try:
+            # Reserve the pages now: tmpfs hands them out lazily, and a full /dev/shm would
+            # otherwise be a SIGBUS in the middle of a copy.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmUnavailable(
+                    f"no room in {SHM_DIR} for {size} bytes ({exc.strerror}); raise the "
+                    "container's shm_size, or lower max_ring_bytes"
+                ) from exc
+            raise ShmUnavailable(f"cannot size {_path(name)}: {exc}") from exc
+        if owner_uid is not None and os.geteuid() == 0 and owner_uid != 0:
+            # A root server serving a non-root client: the file must be the client's to open.
+            os.fchown(fd, owner_uid, -1)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        forget_segment(name)
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps the file
+
+
+def forget_segment(name: str) -> None:
+    """Unlinks /dev/shm/`name` (if still there) and takes it off the resource tracker's list."""
+    _unlink(name)
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
 class RingWriter:
     """The server's end of one stream's ring: places batches, waits for the client's cursor."""
 
@@ -274,35 +318,7 @@ class RingWriter:
         self.name = RING_PREFIX + secrets.token_hex(16)
         self.capacity = capacity
         self._written = 0  # bytes placed since the ring was made (monotonic, like the cursor)
-        size = RING_HEADER + capacity
-        try:
-            fd = os.open(_path(self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise ShmUnavailable(f"cannot create {_path(self.name)}: {exc}") from exc
-        # From here the name exists: the resource tracker unlinks it if this process dies
-        # before close() does (the name it expects is shm_open's, with a leading slash).
-        resource_tracker.register("/" + self.name, "shared_memory")
-        try:
-            try:
-                # Reserve the pages now: tmpfs hands them out lazily, and a full /dev/shm would
-                # otherwise be a SIGBUS in the middle of a copy.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise ShmUnavailable(
-                        f"no room in {SHM_DIR} for a {size}-byte ring ({exc.strerror}); raise the "
-                        "container's shm_size, or lower max_ring_bytes"
-                    ) from exc
-                raise ShmUnavailable(f"cannot size {_path(self.name)}: {exc}") from exc
-            if owner_uid is not None and os.geteuid() == 0 and owner_uid != 0:
-                # A root server serving a non-root client: the ring must be the client's to open.
-                os.fchown(fd, owner_uid, -1)
-            self._mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            self._forget_name()
-            raise
-        os.close(fd)  # the mapping keeps the file
+        self._mm = create_segment(self.name, RING_HEADER + capacity, owner_uid)
         self._data: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=RING_HEADER)
         self._closed = False
         self._bell: doorbell.Doorbell | None = None
@@ -354,8 +370,21 @@ class RingWriter:
             return self._bell.wait(ready, stopped)
         return wait_until(ready, stopped, poll)
 
+    def sleep(self, timeout: float) -> None:
+        """Until the client rings the doorbell or `timeout` passes (without a doorbell, at
+        most _MAX_POLL: the caller polls)."""
+        if self._bell is not None and self._mm[_RINGS_AT]:
+            self._bell.sleep(timeout)
+        else:
+            time.sleep(min(timeout, _MAX_POLL))
+
     def attached(self) -> bool:
         return bool(self._mm[_ATTACHED_AT])
+
+    def ask_for_rings(self, ring: bool) -> None:
+        """Whether the client rings the doorbell after its releases (it does unless told
+        not to). A change is seen at the client's next release."""
+        self._mm[_QUIET_AT] = 0 if ring else 1
 
     def heartbeat(self) -> int:
         """The client's heartbeat counter (NOTE [ Ring space ]: a frozen client stops it)."""
@@ -365,16 +394,12 @@ class RingWriter:
         """Waits until the client has mapped the ring (its name may go then); False if stopped."""
         return wait_until(self.attached, stopped, 50e-6)
 
-    def _forget_name(self) -> None:
-        _unlink(self.name)
-        resource_tracker.unregister("/" + self.name, "shared_memory")
-
     def close(self) -> None:
         """Unlinks the name (if the client has not) and drops this side's mapping; idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._forget_name()
+        forget_segment(self.name)
         if self._bell is not None:
             self._bell.close()
             self._bell = None
@@ -428,8 +453,13 @@ class RingReader:
     def release(self, cursor: int) -> None:
         _CURSOR.pack_into(self._mm, 0, cursor)
         self.beat()
-        if self._ringer is not None:
+        if self._ringer is not None and not self._mm[_QUIET_AT]:
             self._ringer.ring()  # after the cursor: NOTE [ Doorbell ]
+
+    def ring(self) -> None:
+        """Rings the doorbell, asked to or not: the client waits on the server."""
+        if self._ringer is not None:
+            self._ringer.ring()
 
     def beat(self) -> None:
         """Tells the server this client is alive (its receiver runs): NOTE [ Ring space ]."""

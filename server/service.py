@@ -21,6 +21,8 @@ import grpc
 
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
+from remote_loader.server import board
+from remote_loader.server.board import Board
 from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import (
     ClosingError,
@@ -31,7 +33,6 @@ from remote_loader.server.errors import (
     SpecChanged,
 )
 from remote_loader.server.host import LoaderHost
-from remote_loader.server.lanes import Entry
 from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer
@@ -40,10 +41,12 @@ from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,
     Sender,
+    ShmSender,
     StreamStopped,
     connect,
     negotiate,
 )
+from remote_loader.server.transports.base import error_frame
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +287,12 @@ class LoaderService:
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-            if not (yield from _send_epoch(consumer, sender, cancelled, progress)):
+            following = _board_for(request, host, consumer, sender)
+            if following is not None:
+                ended = yield from self._follow(consumer, following, sender, cancelled, progress)
+            else:
+                ended = yield from _send_epoch(consumer, sender, cancelled, progress)
+            if not ended:
                 return  # cancelled mid-batch; the finally below closes the consumer
             # Detach before the end frame: the last consumer out gives the workers back first,
             # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
@@ -320,10 +328,53 @@ class LoaderService:
                     batches=progress.batches - start,
                     bytes=progress.nbytes,
                     **{f"{sender.name}_batches": sender.batches},
+                    **({"board_batches": progress.board} if progress.board else {}),
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
             )
+
+    def _follow(
+        self,
+        consumer: Consumer,
+        following: tuple[Board, shm.RingWriter],
+        sender: Sender,
+        cancelled: threading.Event,
+        progress: _Progress,
+    ) -> Generator[bytes, None, bool]:
+        """The epoch for a client that follows its Run's board (server/board.py)."""
+        lane_board, control = following
+        start = progress.batches
+        position, nbytes, ended = yield from board.follow(
+            consumer, lane_board, sender, control, cancelled, self.client_silence
+        )
+        progress.batches, progress.board = position, position - start
+        progress.nbytes += nbytes
+        return ended
+
+
+def _board_for(
+    request: pb.StreamRequest, host: LoaderHost, consumer: Consumer, sender: Sender
+) -> tuple[Board, shm.RingWriter] | None:
+    """The board and control ring of a stream that follows its Run's board (NOTE [ Broadcast
+    board ]): a broadcast consumer whose client offered to and maps the workers' slots itself,
+    of a loader whose batches are in slots (workers). None: it is sent its batches."""
+    if not (
+        request.board
+        and consumer.membership.sharing == "broadcast"
+        and isinstance(sender, ShmSender)
+        and sender.zero_copy
+        and host.spec.num_workers != 0
+    ):
+        return None
+    control = sender.open_control()
+    if control is None:
+        return None
+    try:
+        return consumer.follow_board(), control
+    except shm.ShmUnavailable as exc:
+        log.warning("no broadcast board (%s): batches are sent to each consumer", exc)
+        return None
 
 
 @dataclasses.dataclass
@@ -333,6 +384,7 @@ class _Progress:
     batches: int  # the position of the next batch in this consumer's epoch
     nbytes: int = 0  # encoded bytes sent
     completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
+    board: int = 0  # batches the client read off its Run's board (NOTE [ Broadcast board ])
 
 
 def _send_epoch(
@@ -347,7 +399,7 @@ def _send_epoch(
     while (entry := consumer.next(cancelled)) is not None:
         try:
             if entry.error is not None:
-                yield _error_frame(progress.batches, entry)
+                yield error_frame(progress.batches, entry)
             else:
                 yield from sender.send(progress.batches, entry, stopped)
                 progress.nbytes += entry.nbytes
@@ -414,14 +466,6 @@ def check_positions(
             f"loader {host.spec.name!r}), got {start}"
         )
     return None
-
-
-def _error_frame(batch: int, entry: Entry) -> bytes:
-    """The Frame that says batch `batch` failed, with the original exception."""
-    e = entry.error
-    assert e is not None
-    error = pb.RemoteError(where=e.where, type=e.type, message=e.message, traceback=e.traceback)
-    return wire.control_frame(pb.Frame(batch=batch, error=error))
 
 
 def logfmt(**fields: object) -> str:

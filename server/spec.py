@@ -196,7 +196,12 @@ class LoaderSpec:
         prefetch_factor, persistent_workers, timeout and in_order are left out too, since batch
         contents and order do not depend on them, and so are the sharing options that only
         decide who may attach and how long they may lag, and where the workers run.
+
+        Computed once: the spec is frozen, and every stream's request is checked against it.
         """
+        cached: str | None = self.__dict__.get("_fingerprint")
+        if cached is not None:
+            return cached
         decisive = self.to_json()
         for key in (
             "name",
@@ -217,7 +222,9 @@ class LoaderSpec:
         ):
             decisive.pop(key)
         text = json.dumps(decisive, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        object.__setattr__(self, "_fingerprint", digest)  # not a field: frozen, eq, repr ignore it
+        return digest
 
     def options_text(self) -> dict[str, str]:
         """The options as text, for Describe and logs."""

@@ -13,10 +13,11 @@ receiver reads Frames and knows none of them. The server's side is remote_loader
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from remote_loader.client.errors import ProtocolError
 from remote_loader.client.transports.base import End, InbandEnd, TransportUnusable
+from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
 from remote_loader.protos import loader_pb2 as pb
@@ -27,6 +28,7 @@ from remote_loader.protos import slots as slot_protocol
 
 __all__ = [
     "End",
+    "Following",
     "InbandEnd",
     "ShmEnd",
     "StreamEnds",
@@ -116,6 +118,7 @@ class StreamEnds:
         self._shm = ShmEnd(what, probe, slot_maps)
         self._tcp = TcpEnd(what, tcp_host, stopped, data_connections)
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
+        self._following: Following | None = None
 
     def offer(self, request: pb.StreamRequest) -> None:
         """Writes the offer into the stream's `request`: a shared-memory probe, data
@@ -123,6 +126,7 @@ class StreamEnds:
         offer = self._shm.offer()
         if offer is not None:
             request.shm.CopyFrom(offer)
+            request.board = True  # NOTE [ Broadcast board ]: followed if the server has one
         request.tcp = self._tcp.asked
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
@@ -141,6 +145,28 @@ class StreamEnds:
         self._tcp.connect(meta.tcp_channel)
         return True
 
+    def frames(
+        self,
+        messages: Iterator[bytes],
+        *,
+        call_done: Callable[[], bool],
+        stopped: Callable[[], bool],
+        start: int,
+    ) -> Following:
+        """The stream's (Frame, data) pairs: its gRPC `messages`, or its broadcast board's
+        records once the server announces one (client/transports/board.py)."""
+        self._following = Following(
+            self._what,
+            messages,
+            self._shm,
+            call_done=call_done,
+            answered=self.answered,
+            stopped=stopped,
+            beat=self.beat,
+            start=start,
+        )
+        return self._following
+
     def carrying(self, meta: pb.Frame) -> End:
         """The end that carries the batch Frame `meta`."""
         self._carried = True
@@ -157,5 +183,7 @@ class StreamEnds:
         self._tcp.beat()
 
     def close(self) -> None:
+        if self._following is not None:
+            self._following.close()
         self._shm.close()
         self._tcp.close()

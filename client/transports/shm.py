@@ -73,13 +73,10 @@ class ShmEnd:
     def _fill_from_slot(self, meta: pb.Frame, assembly: Assembly) -> bool:
         """Copies the batch out of its worker's slot, then releases it on the control ring."""
         ref, slot = meta.shm, meta.shm.slot
-        if self._control is None or self._control.name != ref.ring:
-            if self._control is not None:
-                raise ProtocolError(f"{self._what}: a second control ring in one stream")
-            try:
-                self._control = shm.RingReader(ref.ring, ref.ring_bytes)
-            except shm.ShmUnavailable as exc:
-                raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
+        try:
+            control = self.control_ring(ref.ring, ref.ring_bytes)
+        except shm.ShmUnavailable as exc:
+            raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
         try:
             whole = self._slots.view(slot.pid, slot.fd, slot.inode, slot.size)
         except slots.SlotUnavailable as exc:
@@ -100,8 +97,17 @@ class ShmEnd:
             raise ConnectionLostError(f"{self._what}: batch {meta.batch}: {exc}") from exc
         finally:
             del whole
-        self._control.release(ref.release)
+        control.release(ref.release)
         return complete
+
+    def control_ring(self, name: str, nbytes: int) -> shm.RingReader:
+        """The stream's control ring (NOTE [ Zero-copy slots ]), opened the first time it is
+        named. Raises ShmUnavailable, and ProtocolError for a second one."""
+        if self._control is None:
+            self._control = shm.RingReader(name, nbytes)
+        elif self._control.name != name:
+            raise ProtocolError(f"{self._what}: a second control ring in one stream")
+        return self._control
 
     def beat(self) -> None:
         for ring in (self._ring, self._control):

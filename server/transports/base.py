@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.lanes import Entry
 
@@ -76,3 +77,11 @@ def payload(entry: Entry) -> memoryview:
     blob = entry.delivery.blob
     assert blob is not None, "an entry without an error has a blob"
     return blob
+
+
+def error_frame(batch: int, entry: Entry) -> bytes:
+    """The Frame that says batch `batch` failed, with the original exception."""
+    e = entry.error
+    assert e is not None
+    error = pb.RemoteError(where=e.where, type=e.type, message=e.message, traceback=e.traceback)
+    return wire.control_frame(pb.Frame(batch=batch, error=error))

@@ -111,14 +111,9 @@ class ShmSender:
         ref = entry.delivery.slot
         if not self.zero_copy or ref is None:
             return None
-        if self.control is None:
-            try:
-                self.control = shm.RingWriter(shm.ALIGN, self.owner_uid)
-            except shm.ShmUnavailable as exc:
-                log.warning("no control ring (%s): batches are copied into the ring", exc)
-                self.zero_copy = False
-                return None
-        control = self.control
+        control = self.open_control()
+        if control is None:
+            return None
         self._end_leases(control.consumed())
         if len(self._leased) >= slots.SLOT_LEASES:
             oldest = self._leased[0][0]
@@ -147,6 +142,17 @@ class ShmSender:
                 ),
             ),
         )
+
+    def open_control(self) -> shm.RingWriter | None:
+        """The stream's control ring (NOTE [ Zero-copy slots ]), made on first use; None when
+        /dev/shm refused it (zero-copy is then off for the stream: batches go into the ring)."""
+        if self.control is None and self.zero_copy:
+            try:
+                self.control = shm.RingWriter(shm.ALIGN, self.owner_uid)
+            except shm.ShmUnavailable as exc:
+                log.warning("no control ring (%s): batches are copied into the ring", exc)
+                self.zero_copy = False
+        return self.control
 
     def _end_leases(self, released: int) -> None:
         while self._leased and self._leased[0][0] <= released:
