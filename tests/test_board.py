@@ -22,6 +22,8 @@ import torch
 from remote_loader.client import RemoteLoader
 from remote_loader.client.errors import ConnectionLostError, DatasetError
 from remote_loader.protos import board, shm
+from remote_loader.server.engine import Delivery
+from remote_loader.server.lanes import BroadcastLane
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
 from tests.test_sharing import run_concurrently
@@ -102,6 +104,18 @@ def test_a_quiet_client_rings_only_when_asked_or_waiting() -> None:
         reader.close()
     finally:
         ring.close()
+
+
+def test_a_broadcast_lane_never_holds_more_than_its_window() -> None:
+    # The board is the window's length: a batch back before the one due first waits in the
+    # reorder buffer, and counts, or the lane would take a task more and outgrow its board.
+    lane = BroadcastLane(in_order=True, window=2)
+    lane.begin(iter([[0], [1], [2]]), 0, iterable=False)
+    lane.issued, lane.outstanding = 2, 2  # two tasks submitted
+    lane.outstanding -= 1
+    lane.reorder.put(1, Delivery(blob=memoryview(b"x")))  # task 1 is back before task 0
+    assert list(lane.reorder.ready()) == []
+    assert not lane.wants_task()
 
 
 # --- real servers ------------------------------------------------------------------------------
