@@ -30,7 +30,12 @@ from remote_loader.client.errors import (
     RemoteLoaderError,
     map_rpc_error,
 )
-from remote_loader.client.transports import StreamEnds, Transports, TransportUnusable
+from remote_loader.client.transports import (
+    BatchReused,
+    StreamEnds,
+    Transports,
+    TransportUnusable,
+)
 from remote_loader.protos import codec
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.buffers import BufferPool
@@ -266,7 +271,7 @@ class Receiver(threading.Thread):
             # A slot or board record reused under this client: if the server let go of the
             # stream (a broadcast consumer detached), its status says why, not the torn read.
             # The server ends such a stream at its next look (a tick): wait that long for it.
-            deadline = time.monotonic() + STATUS_WAIT
+            deadline = time.monotonic() + (STATUS_WAIT if isinstance(exc, BatchReused) else 0)
             while not call.done() and time.monotonic() < deadline:
                 if self._stopped.wait(0.01):
                     break

@@ -108,20 +108,24 @@ def follow(
     try:
         while True:
             released = control.consumed()
+            if cancelled.is_set():
+                return consumer.cursor, consumer.passed_nbytes, False
             with run.cond:
                 frames, end = consumer.reach(released, framed)
-            for entry, end_lease in frames:
-                try:
-                    if entry.error is not None:
-                        yield error_frame(entry.position, entry)
-                    else:
-                        yield from sender.send(entry.position, entry, stopped)
-                except StreamStopped:
-                    if cancelled.is_set():
-                        return consumer.cursor, consumer.passed_nbytes, False
-                finally:
+            try:
+                for entry, _ in frames:
+                    try:
+                        if entry.error is not None:
+                            yield error_frame(entry.position, entry)
+                        else:
+                            yield from sender.send(entry.position, entry, stopped)
+                    except StreamStopped:
+                        if cancelled.is_set():
+                            return consumer.cursor, consumer.passed_nbytes, False
+                    framed = entry.position + 1
+            finally:
+                for _, end_lease in frames:  # sent or not: the slots go back when they are due
                     end_lease()
-                framed = entry.position + 1
             if end is not None:
                 return end, consumer.passed_nbytes, True
             if cancelled.is_set():

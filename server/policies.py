@@ -418,6 +418,7 @@ class Broadcast(Policy):
         lane = self._lane
         followers = [c for c in consumers if c.ask_for_rings is not None]
         if not followers:
+            self._hungry = False  # nobody to wait for on a board: the Run polls as usual
             return
         full = lane.backlog() >= lane.window and not lane.tasks_done and not self._holding_for_group
         if not full and not self._hungry:

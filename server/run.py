@@ -154,6 +154,8 @@ class Consumer:
         position after its last batch once its epoch is over, else None). Raises as `next()`
         does when the consumer gets nothing more."""
         self._raise_if_let_go()
+        if self.closed:  # let go (its client went): the Run may have retired past its cursor
+            return [], None
         policy = self.run.policy
         if policy.reach(self, released) and policy.hungry():
             self.run.cond.notify_all()  # the Run waits for room in the window

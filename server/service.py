@@ -372,7 +372,7 @@ def _board_for(
         return None
     try:
         return consumer.follow_board(), control
-    except shm.ShmUnavailable as exc:
+    except (shm.ShmUnavailable, ValueError) as exc:  # no room; a window past board.MAX_RECORDS
         log.warning("no broadcast board (%s): batches are sent to each consumer", exc)
         return None
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from remote_loader.client.errors import ProtocolError
-from remote_loader.client.transports.base import End, InbandEnd, TransportUnusable
+from remote_loader.client.transports.base import BatchReused, End, InbandEnd, TransportUnusable
 from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
@@ -27,6 +27,7 @@ from remote_loader.protos import shm as shm_protocol
 from remote_loader.protos import slots as slot_protocol
 
 __all__ = [
+    "BatchReused",
     "End",
     "Following",
     "InbandEnd",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from remote_loader.client.assembly import Assembly
+from remote_loader.client.errors import ConnectionLostError
 from remote_loader.protos import loader_pb2 as pb
 
 
@@ -24,6 +25,12 @@ class TransportUnusable(Exception):
         super().__init__(reason)
         self.transport = transport
         self.instead = instead
+
+
+class BatchReused(ConnectionLostError):
+    """A worker's slot, or a broadcast board's record, was reused under the client's read: the
+    server let go of the stream (a broadcast consumer detached, a stream it thought over). The
+    stream is resumed from that batch, unless the call's status says it must not."""
 
 
 class End(Protocol):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from remote_loader.client.errors import ConnectionLostError, ProtocolError
-from remote_loader.client.transports.base import TransportUnusable
+from remote_loader.client.transports.base import BatchReused, TransportUnusable
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.protos import board, shm, wire
 from remote_loader.protos import loader_pb2 as pb
@@ -126,15 +126,18 @@ class Following:
         assert self._board is not None
         poll = FIRST_POLL
         while True:
+            # Whether the call had ended before the look: if it ends just after, the record it
+            # ended on (END) is found by the next look, not missed.
+            done = self._call_done()
             try:
                 record = self._board.read(position)
             except board.StaleRecord as exc:
-                raise ConnectionLostError(f"{self._what}: {exc}") from exc
+                raise BatchReused(f"{self._what}: {exc}") from exc
             if record is not None:
                 return record
             if self._stopped():
                 return None
-            if self._call_done():
+            if done:
                 # Detached, failed, or the server went away: the status says which. Frames
                 # still queued (for records this client never reached) are moot now.
                 for _ in self._messages:

@@ -7,8 +7,8 @@ protocol), for a client that proved it shares the server's /dev/shm.
 from __future__ import annotations
 
 from remote_loader.client.assembly import Assembly
-from remote_loader.client.errors import ConnectionLostError, ProtocolError
-from remote_loader.client.transports.base import TransportUnusable
+from remote_loader.client.errors import ProtocolError
+from remote_loader.client.transports.base import BatchReused, TransportUnusable
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, slots
 
@@ -94,7 +94,7 @@ class ShmEnd:
             complete = assembly.add(meta, whole[ref.offset : ref.offset + meta.total_bytes])
             slots.check_generation(whole, slot.generation)
         except slots.StaleSlot as exc:
-            raise ConnectionLostError(f"{self._what}: batch {meta.batch}: {exc}") from exc
+            raise BatchReused(f"{self._what}: batch {meta.batch}: {exc}") from exc
         finally:
             del whole
         control.release(ref.release)
