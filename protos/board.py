@@ -17,12 +17,19 @@ every same-host consumer of its job follows by position:
     record p % records, then stores p + 1     reads record p (a seqlock: the record's position
     in `published`                            word before and after), copies the batch out of
                                               the slot (the generation check of NOTE
-    each stream's thread                      [ Zero-copy slots ]), stores p + 1 in its control
-    --------------------                      ring's cursor and rings that ring's doorbell
-    asleep on the control ring's doorbell;
-    on a ring or a tick (BELL_TICK) moves the consumer's cursor to the client's, so the Run
-    retires what every consumer has passed (the worker's slot goes back then), and sends the
-    Frames that records point to: an error at its position, the end of the epoch
+    when its lane is full: reads every        [ Zero-copy slots ]) and stores p + 1 in its
+    follower's position from its control      control ring's cursor; rings that ring's
+    ring, retires what all have passed, and   doorbell only if asked to, or when it waits on
+    if still full asks the slowest to ring    the server (a FRAME or END record)
+    after each release (a byte in the ring's
+    header), looking again every 10 ms (HUNGRY_POLL) in case a ring was missed
+
+    each stream's thread: asleep on the control ring's doorbell, at most FOLLOW_TICK (0.1 s);
+    moves the consumer's cursor to the client's (waking the Run if it waits for room) and
+    sends the Frames that records point to: an error at its position, the end of the epoch
+
+So a batch costs the server one record, whatever the number of same-host consumers, and a
+consumer costs it a wake-up per release only while the job waits for that consumer.
 
 A record is one of: SLOT (the batch lies in a worker's slot), FRAME (the batch or the error at
 p comes as Frames in the gRPC stream, as without a board) or END (the epoch ends at p: the end
@@ -30,15 +37,16 @@ Frame follows in the gRPC stream). The gRPC stream carries nothing else after it
 which announces the board; the call still ends with its status, so a consumer detached for
 stalling, a loader that broke or a server that went away ends the client's wait as before.
 
-Bounds: a board holds its Run's `broadcast_window` + 2 records. A broadcast lane holds at most
-the window's entries, so record p is rewritten (for p + records) only after every consumer
-still attached has passed p. A consumer detached meanwhile (detach_timeout) may find its record
-rewritten (the position word changed: the read is thrown away) or its slot reused (the
-generation changed): either is a broken stream to it, resumed from p as any other, and the
-gRPC status says why. Clients map the board read-only: none can spoil what the others read.
-Their cursors live in their own streams' control rings, beside their heartbeats (NOTE [ Ring
-space ] in protos/shm.py). The board is the server's: unlinked when its Run closes, or by the
-server's resource tracker if the server dies first.
+Bounds: a board holds its Run's `broadcast_window` + 2 records (a window past MAX_RECORDS gets
+no board: its streams are sent their batches). A broadcast lane holds at most the window's
+entries, those waiting to be put in order included, so record p is rewritten (for p + records)
+only after every consumer still attached has passed p. A consumer detached meanwhile
+(detach_timeout) may find its record rewritten (the position word changed: the read is thrown
+away) or its slot reused (the generation changed): either is a broken stream to it, resumed
+from p as any other, and the gRPC status says why. Clients map the board read-only: none can
+spoil what the others read. Their cursors live in their own streams' control rings, beside
+their heartbeats (NOTE [ Ring space ] in protos/shm.py). The board is the server's: unlinked
+when its Run closes, or by the server's resource tracker if the server dies first.
 
 Loads and stores are ordered as the rings' are: a record is written before `published` moves
 past it, and x86 keeps stores in order and loads in order.
