@@ -9,6 +9,8 @@ sending batches moves its consumer's cursor to where its client has got.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 import time
@@ -20,9 +22,12 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.errors import ClientSilent
 from remote_loader.server.lanes import Entry
 from remote_loader.server.transports.base import Sender, StreamStopped, error_frame
+from remote_loader.server.transports.shm import ShmSender
 
 if TYPE_CHECKING:  # a Run's policy opens its board (run.py imports this module)
     from remote_loader.server.run import Consumer
+
+log = logging.getLogger(__name__)
 
 # A board holds this many records more than its lane's window: the END record, and one spare.
 SPARE_RECORDS = 2
@@ -70,11 +75,43 @@ class Board:
         self._writer.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Following:
+    """What a stream that follows its Run's board reads and writes: the board, and the stream's
+    control ring, where its client stores its position."""
+
+    board: Board
+    control: shm.RingWriter
+
+
+def following(
+    request: pb.StreamRequest, num_workers: int | str, consumer: Consumer, sender: Sender
+) -> Following | None:
+    """What a stream follows, if it follows its Run's board: a broadcast consumer whose client
+    offered to and maps the workers' slots itself (`sender`: zero-copy shared memory), of a
+    loader whose batches are in slots (workers). None: it is sent its batches."""
+    if not (
+        request.board
+        and consumer.membership.sharing == "broadcast"
+        and isinstance(sender, ShmSender)
+        and sender.zero_copy
+        and num_workers != 0
+    ):
+        return None
+    control = sender.open_control()
+    if control is None:
+        return None
+    try:
+        return Following(consumer.follow_board(), control)
+    except (shm.ShmUnavailable, ValueError) as exc:  # no room; a window past board.MAX_RECORDS
+        log.warning("no broadcast board (%s): batches are sent to each consumer", exc)
+        return None
+
+
 def follow(
     consumer: Consumer,
-    lane_board: Board,
+    following: Following,
     sender: Sender,
-    control: shm.RingWriter,
     cancelled: threading.Event,
     client_silence: float,
 ) -> Generator[bytes, None, tuple[int, int, bool]]:
@@ -88,6 +125,7 @@ def follow(
     ClientSilent when the client's heartbeat stood still for `client_silence` seconds.
     """
     run = consumer.run
+    lane_board, control = following.board, following.control
     announce = pb.ShmBoard(
         name=lane_board.name,
         records=lane_board.records,

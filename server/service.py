@@ -22,7 +22,6 @@ import grpc
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server import board
-from remote_loader.server.board import Board
 from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import (
     ClosingError,
@@ -41,7 +40,6 @@ from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,
     Sender,
-    ShmSender,
     StreamStopped,
     connect,
     negotiate,
@@ -287,9 +285,13 @@ class LoaderService:
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-            following = _board_for(request, host, consumer, sender)
+            following = board.following(request, host.spec.num_workers, consumer, sender)
             if following is not None:
-                ended = yield from self._follow(consumer, following, sender, cancelled, progress)
+                start = progress.batches
+                progress.batches, nbytes, ended = yield from board.follow(
+                    consumer, following, sender, cancelled, self.client_silence
+                )
+                progress.board, progress.nbytes = progress.batches - start, nbytes
             else:
                 ended = yield from _send_epoch(consumer, sender, cancelled, progress)
             if not ended:
@@ -333,48 +335,6 @@ class LoaderService:
                     **outcome,
                 ),
             )
-
-    def _follow(
-        self,
-        consumer: Consumer,
-        following: tuple[Board, shm.RingWriter],
-        sender: Sender,
-        cancelled: threading.Event,
-        progress: _Progress,
-    ) -> Generator[bytes, None, bool]:
-        """The epoch for a client that follows its Run's board (server/board.py)."""
-        lane_board, control = following
-        start = progress.batches
-        position, nbytes, ended = yield from board.follow(
-            consumer, lane_board, sender, control, cancelled, self.client_silence
-        )
-        progress.batches, progress.board = position, position - start
-        progress.nbytes += nbytes
-        return ended
-
-
-def _board_for(
-    request: pb.StreamRequest, host: LoaderHost, consumer: Consumer, sender: Sender
-) -> tuple[Board, shm.RingWriter] | None:
-    """The board and control ring of a stream that follows its Run's board (NOTE [ Broadcast
-    board ]): a broadcast consumer whose client offered to and maps the workers' slots itself,
-    of a loader whose batches are in slots (workers). None: it is sent its batches."""
-    if not (
-        request.board
-        and consumer.membership.sharing == "broadcast"
-        and isinstance(sender, ShmSender)
-        and sender.zero_copy
-        and host.spec.num_workers != 0
-    ):
-        return None
-    control = sender.open_control()
-    if control is None:
-        return None
-    try:
-        return consumer.follow_board(), control
-    except (shm.ShmUnavailable, ValueError) as exc:  # no room; a window past board.MAX_RECORDS
-        log.warning("no broadcast board (%s): batches are sent to each consumer", exc)
-        return None
 
 
 @dataclasses.dataclass
