@@ -223,17 +223,21 @@ def test_a_client_in_another_pid_namespace_gets_the_ring(serve_loaders: ServeLoa
     assert transport == "shm" and mapped == 0  # through the ring: no slot was mapped
 
 
+@pytest.mark.parametrize("sharing", ["partition", "broadcast"])
 def test_slots_go_back_to_the_workers_when_a_client_stops_mid_epoch(
-    serve_loaders: ServeLoaders,
+    serve_loaders: ServeLoaders, sharing: str
 ) -> None:
-    # A client that leaves with batches leased: the stream's end gives them back to the
-    # persistent pool, which would otherwise make new slots for every client.
+    # A client that leaves with batches leased (broadcast: on its Run's board, NOTE [ Broadcast
+    # board ]): the stream's end gives them back to the persistent pool, which would otherwise
+    # make new slots for every client.
     sizes = [400_000] * 40
     served = serve_loaders(
-        sizes_spec(sizes, num_workers=1, prefetch_factor=2, persistent_workers=True)
+        sizes_spec(
+            sizes, num_workers=1, prefetch_factor=2, persistent_workers=True, broadcast_window=2
+        )
     )
     for _ in range(6):
-        with RemoteLoader(served.address, device="cpu", prefetch=1) as loader:
+        with RemoteLoader(served.address, device="cpu", prefetch=1, sharing=sharing) as loader:
             it = iter(loader)
             for _ in range(3):
                 next(it)
