@@ -12,10 +12,12 @@ every same-host consumer of its job follows by position:
 
     the Run's thread, once per batch          each client (zero-copy: same host, same user)
     --------------------------------          ---------------------------------------------
-    writes position p's record (where the     waits until `published` > p (polling, backing
-    batch lies in its worker's slot) into     off to 2 ms, while it watches its gRPC call),
-    record p % records, then stores p + 1     reads record p (a seqlock: the record's position
-    in `published`                            word before and after), copies the batch out of
+    writes position p's record (where the     waits until `published` > p: says it sleeps
+    batch lies in its worker's slot) into     (a byte in its control ring), looks once more
+    record p % records, then stores p + 1     and sleeps on a bell of its own, at most
+    in `published`, then wakes the clients    WAKE_TICK (50 ms, to watch its gRPC call);
+    that said they sleep                      reads record p (a seqlock: the record's position
+                                              word before and after), copies the batch out of
                                               the slot (the generation check of NOTE
     when its lane is full: reads every        [ Zero-copy slots ]) and stores p + 1 in its
     follower's position from its control      control ring's cursor; rings that ring's
@@ -47,6 +49,14 @@ from p as any other, and the gRPC status says why. Clients map the board read-on
 spoil what the others read. Their cursors live in their own streams' control rings, beside
 their heartbeats (NOTE [ Ring space ] in protos/shm.py). The board is the server's: unlinked
 when its Run closes, or by the server's resource tracker if the server dies first.
+
+The client's bell: its control ring's doorbell Ringer (NOTE [ Doorbell ]) binds a socket of its
+own beside the server's, /dev/shm/rl-bell-<32 hex>, mode 0600, and rings once; the server, on
+that first datagram, connects its bell to the name it came from (only such a name), unlinks it
+and marks the ring's header, and from then on the client sleeps instead of polling (it polls,
+from 50 us backing off to 2 ms, until then, or against a server without a bell). A wake-up can
+be missed only when the client's "I sleep" and the server's `published` cross in the store
+buffers; WAKE_TICK bounds what that costs.
 
 Loads and stores are ordered as the rings' are: a record is written before `published` moves
 past it, and x86 keeps stores in order and loads in order.

@@ -143,6 +143,7 @@ def follow(
     with run.cond:
         # The Run reads where the client is, and asks it to ring, when its window is full.
         consumer.released, consumer.ask_for_rings = control.consumed, control.ask_for_rings
+        consumer.wake = control.wake_client  # when the Run publishes (a sleeping client)
     try:
         while True:
             released = control.consumed()
@@ -183,4 +184,4 @@ def follow(
                 )
     finally:
         with run.cond:
-            consumer.released = consumer.ask_for_rings = None  # the control ring goes
+            consumer.released = consumer.ask_for_rings = consumer.wake = None  # the ring goes

@@ -134,6 +134,10 @@ class Policy(abc.ABC):
         """The Run's board, opened if nobody follows it yet."""
         raise TypeError(f"{self.name} sharing has no board")
 
+    def published(self, consumers: list[Consumer]) -> None:
+        """The Run's thread added entries: consumers following the board are woken."""
+        return None
+
     def reach(self, consumer: Consumer, position: int) -> list[Entry]:
         """A consumer following the board is done with the positions before `position`:
         moves its cursor there; returns the entries it passed."""
@@ -354,6 +358,11 @@ class Broadcast(Policy):
             if lane.complete:
                 self._end_board()
         return lane.board
+
+    def published(self, consumers: list[Consumer]) -> None:
+        for c in consumers:
+            if c.wake is not None:
+                c.wake()
 
     def _end_board(self) -> None:
         lane = self._lane

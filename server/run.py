@@ -101,6 +101,8 @@ class Consumer:
         # ... and whether its client should ring its doorbell after each release (the Run sets
         # it while it waits on this consumer).
         self.ask_for_rings: Callable[[bool], None] | None = None
+        # ... and wakes its client if it sleeps waiting for the board's next record.
+        self.wake: Callable[[], None] | None = None
         self.passed_nbytes = 0  # encoded bytes of the batches passed on the board
         # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
         self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
@@ -353,6 +355,7 @@ class Run:
             self._submit(engine)
             if engine.outstanding == 0:
                 if self.policy.complete():
+                    self.policy.published(self.consumers)  # the board's END
                     self.cond.notify_all()
                     return False  # everything is made; the entries stay until sent
                 # A full lane may wait for consumers that follow its board, whose rings can be
@@ -374,6 +377,7 @@ class Run:
                         self.metrics.batch_ready(
                             delivery.submitted_at, delivery.received_at, time.monotonic()
                         )
+                self.policy.published(self.consumers)
                 self.cond.notify_all()
         return True
 

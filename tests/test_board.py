@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -116,6 +117,62 @@ def test_a_broadcast_lane_never_holds_more_than_its_window() -> None:
     lane.reorder.put(1, Delivery(blob=memoryview(b"x")))  # task 1 is back before task 0
     assert list(lane.reorder.ready()) == []
     assert not lane.wants_task()
+
+
+def test_a_listening_client_is_woken_by_the_server_and_its_name_goes() -> None:
+    ring = shm.RingWriter(shm.ALIGN)
+    try:
+        reader = shm.RingReader(ring.name, ring.capacity, listen=True)
+        assert not reader.can_sleep()  # the server has not answered its hello yet
+        ringer = reader._ringer
+        assert ringer is not None and os.path.exists(ringer.listening)
+        ring.sleep(0.5)  # the server drains the hello: it connects, and unlinks the name
+        assert reader.can_sleep()
+        assert not os.path.exists(ringer.listening)
+        published = [False]
+        started = time.monotonic()
+
+        def publish() -> None:
+            published[0] = True
+            ring.wake_client()
+
+        waker = threading.Timer(0.2, publish)
+        waker.start()
+        reader.wait_for(lambda: published[0], timeout=5.0)
+        assert published[0] and time.monotonic() - started < 2.0  # woken, not timed out
+        ring.wake_client()  # not waiting: nothing is sent, the next sleep is not cut short
+        started = time.monotonic()
+        reader.wait_for(lambda: False, timeout=0.2)
+        assert time.monotonic() - started >= 0.15
+        reader.close()
+    finally:
+        ring.close()
+
+
+def test_a_following_client_waiting_for_a_slow_loader_sleeps_instead_of_polling(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = LoaderSpec(
+        name="slow",
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 6, "seconds": 0.15},
+        batch_size=1,
+        num_workers=1,
+    )
+    served = serve_loaders(spec)
+    looks = [0]
+    real = board.BoardReader.read
+
+    def counted(self: board.BoardReader, position: int) -> board.Record | None:
+        looks[0] += 1
+        return real(self, position)
+
+    monkeypatch.setattr(board.BoardReader, "read", counted)
+    got = broadcast(served.address, 0, 1, device="cpu")()
+    assert [int(b) for b in got] == list(range(6))
+    # 6 batches 0.15 s apart: woken once per record (and at WAKE_TICK), where polling from
+    # 50 us backing off to 2 ms looks about 80 times per batch.
+    assert looks[0] < 6 * 12, looks[0]
 
 
 # --- real servers ------------------------------------------------------------------------------

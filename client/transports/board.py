@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from remote_loader.client.errors import ConnectionLostError, ProtocolError
 from remote_loader.client.transports.base import BatchReused, TransportUnusable
@@ -23,6 +24,9 @@ from remote_loader.protos import loader_pb2 as pb
 # making is milliseconds away; the client's receive queue hides the rest).
 FIRST_POLL = 50e-6
 MAX_POLL = 0.002
+
+# Asleep, how often a client looks at its call and at whether it was stopped.
+WAKE_TICK = 0.05
 
 _EMPTY = memoryview(b"")
 
@@ -114,7 +118,9 @@ class Following:
 
     def _open(self, announced: pb.ShmBoard) -> None:
         try:
-            self._control = self._shm.control_ring(announced.control, announced.control_bytes)
+            self._control = self._shm.control_ring(
+                announced.control, announced.control_bytes, listen=True
+            )
             self._board = board.BoardReader(announced.name, announced.records)
         except shm.ShmUnavailable as exc:
             raise TransportUnusable(ShmEnd.name, str(exc), "over gRPC") from exc
@@ -147,8 +153,15 @@ class Following:
                     "the broadcast board"
                 )
             self._beat()  # waiting is not silence (NOTE [ Ring space ])
-            time.sleep(poll)
-            poll = min(poll * 2, MAX_POLL)
+            # Asleep until the Run publishes (it wakes a client that says it sleeps), or a
+            # tick to look at the call; polling where the server cannot wake it.
+            control = self._control
+            assert control is not None
+            if control.can_sleep():
+                control.wait_for(partial(_past, self._board, position), WAKE_TICK)
+            else:
+                time.sleep(poll)
+                poll = min(poll * 2, MAX_POLL)
 
     def _slot_frame(self, position: int, record: board.Record) -> pb.Frame:
         """The Frame the server would have sent for a batch in a worker's slot."""
@@ -179,3 +192,8 @@ class Following:
         if self._board is not None:
             self._board.close()
             self._board = None
+
+
+def _past(reader: board.BoardReader, position: int) -> bool:
+    """Whether `position`'s record is published."""
+    return reader.published() > position
