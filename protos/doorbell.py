@@ -167,8 +167,8 @@ class Ringer:
 
     def __init__(self, path: str, *, listen: bool = False) -> None:
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.listening = ""  # the name this client's bell was bound at, while it may exist
-        self.listens = listen
+        # The name this client's bell was bound at (`listen`), kept to unlink it on close.
+        self.listening = ""
         try:
             if listen:
                 mine = os.path.join(os.path.dirname(path), BELL_PREFIX + secrets.token_hex(16))

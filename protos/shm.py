@@ -470,7 +470,7 @@ class RingReader:
     def can_sleep(self) -> bool:
         """Whether the server can wake this client (`listen`, and the server answered)."""
         ringer = self._ringer
-        return ringer is not None and ringer.listens and bool(self._mm[_ANSWERS_AT])
+        return ringer is not None and bool(ringer.listening) and bool(self._mm[_ANSWERS_AT])
 
     def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
         """Sleeps until the server wakes this client or `timeout` passes, unless `ready()`

@@ -141,9 +141,7 @@ def follow(
 
     control.ask_for_rings(False)  # until the Run waits on this consumer
     with run.cond:
-        # The Run reads where the client is, and asks it to ring, when its window is full.
-        consumer.released, consumer.ask_for_rings = control.consumed, control.ask_for_rings
-        consumer.wake = control.wake_client  # when the Run publishes (a sleeping client)
+        consumer.control = control  # the Run reads, asks and wakes the client there
     try:
         while True:
             released = control.consumed()
@@ -184,4 +182,4 @@ def follow(
                 )
     finally:
         with run.cond:
-            consumer.released = consumer.ask_for_rings = consumer.wake = None  # the ring goes
+            consumer.control = None  # the ring goes with the stream

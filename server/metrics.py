@@ -10,15 +10,12 @@ import socket
 import threading
 import wsgiref.simple_server
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
-
-if TYPE_CHECKING:
-    from remote_loader.server.lanes import Entry
 
 # Seconds, from a batch that was already waiting (1 ms) to a consumer stalled for minutes.
 BUCKETS = (
@@ -275,14 +272,14 @@ class StreamMetrics:
             self._batches.inc()
             self._bytes.inc(nbytes)
 
-    def sent_many(self, entries: Sequence[Entry]) -> None:
-        """`entries` were passed at once (a consumer following its Run's board)."""
-        errors = sum(1 for entry in entries if entry.error is not None)
+    def sent_many(self, batches: int, nbytes: int, errors: int) -> None:
+        """`batches` of `nbytes` encoded bytes in all, and `errors`, were passed at once (a
+        consumer following its Run's board)."""
         if errors:
             self._errors.inc(errors)
-        if len(entries) > errors:
-            self._batches.inc(len(entries) - errors)
-            self._bytes.inc(sum(entry.nbytes for entry in entries))
+        if batches:
+            self._batches.inc(batches)
+            self._bytes.inc(nbytes)
 
 
 class _Merged:

@@ -361,8 +361,8 @@ class Broadcast(Policy):
 
     def published(self, consumers: list[Consumer]) -> None:
         for c in consumers:
-            if c.wake is not None:
-                c.wake()
+            if c.control is not None:
+                c.control.wake_client()
 
     def _end_board(self) -> None:
         lane = self._lane
@@ -383,8 +383,8 @@ class Broadcast(Policy):
         """Moves the cursors of the consumers following the board to their clients' (their
         streams' threads do at each wake-up, which may be a tick away)."""
         for c in consumers:
-            if c.released is not None:
-                self.reach(c, c.released())
+            if c.control is not None:
+                self.reach(c, c.control.consumed())
 
     def framed(self, consumer: Consumer, since: int) -> list[Entry]:
         lane = self._lane
@@ -425,17 +425,16 @@ class Broadcast(Policy):
         doorbells after each release, so the Run hears at once that it has room; the others,
         and everyone once there is room, are quiet (NOTE [ Broadcast board ])."""
         lane = self._lane
-        followers = [c for c in consumers if c.ask_for_rings is not None]
-        if not followers:
+        if not any(c.control is not None for c in consumers):
             self._hungry = False  # nobody to wait for on a board: the Run polls as usual
             return
         full = lane.backlog() >= lane.window and not lane.tasks_done and not self._holding_for_group
         if not full and not self._hungry:
             return
         slowest = min(c.cursor for c in consumers)
-        for c in followers:
-            assert c.ask_for_rings is not None
-            c.ask_for_rings(full and c.cursor == slowest)
+        for c in consumers:
+            if c.control is not None:
+                c.control.ask_for_rings(full and c.cursor == slowest)
         self._hungry = full
         if full:
             # A release stored before the client saw it was asked to ring would not ring: look

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from remote_loader.protos import shm
 from remote_loader.server.board import Board
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import (
@@ -95,14 +96,10 @@ class Consumer:
         self.waiting_since: float | None = None
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
-        # Following the Run's board (NOTE [ Broadcast board ]): the client's position, read
-        # where it stores it; None: the consumer is sent its batches.
-        self.released: Callable[[], int] | None = None
-        # ... and whether its client should ring its doorbell after each release (the Run sets
-        # it while it waits on this consumer).
-        self.ask_for_rings: Callable[[bool], None] | None = None
-        # ... and wakes its client if it sleeps waiting for the board's next record.
-        self.wake: Callable[[], None] | None = None
+        # Following the Run's board (NOTE [ Broadcast board ]): the stream's control ring, where
+        # the Run reads the client's position, asks it to ring while the Run waits on it, and
+        # wakes it when it sleeps for the next record; None: the consumer is sent its batches.
+        self.control: shm.RingWriter | None = None
         self.passed_nbytes = 0  # encoded bytes of the batches passed on the board
         # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
         self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
@@ -167,8 +164,10 @@ class Consumer:
     def passed(self, entries: list[Entry]) -> None:
         """A consumer following the board passed `entries` (its client is done with them)."""
         self.moved_at = time.monotonic()
-        self.passed_nbytes += sum(entry.nbytes for entry in entries)
-        self.metrics.sent_many(entries)
+        nbytes = sum(entry.nbytes for entry in entries)  # an error's is 0
+        errors = sum(1 for entry in entries if entry.error is not None)
+        self.passed_nbytes += nbytes
+        self.metrics.sent_many(len(entries) - errors, nbytes, errors)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""

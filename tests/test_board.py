@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from remote_loader.server.engine import Delivery
 from remote_loader.server.lanes import BroadcastLane
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
+from tests.test_limits import _fields
 from tests.test_sharing import run_concurrently
 from tests.test_shm import expected, sizes_spec
 
@@ -180,13 +180,11 @@ def test_a_following_client_waiting_for_a_slow_loader_sleeps_instead_of_polling(
 
 def board_batches(caplog: pytest.LogCaptureFixture) -> list[int]:
     """board_batches= of every stream end line logged so far (0 where the field is absent)."""
-    found = []
-    for record in caplog.records:
-        message = record.getMessage()
-        if message.startswith("stream end"):
-            match = re.search(r"board_batches=(\d+)", message)
-            found.append(int(match.group(1)) if match else 0)
-    return found
+    return [
+        int(_fields(record.getMessage()).get("board_batches", 0))
+        for record in caplog.records
+        if record.getMessage().startswith("stream end")
+    ]
 
 
 def broadcast(

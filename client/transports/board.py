@@ -68,7 +68,6 @@ class Following:
         self._owed: int | None = None
         self._parts_left = 0  # Frames still to come of a batch read off the gRPC stream
         self._ended = False  # the END record was read: the gRPC stream has the rest
-        self.from_board = 0  # batches read off the board (for tests and the log)
 
     def __iter__(self) -> Following:
         return self
@@ -92,7 +91,6 @@ class Following:
             raise StopIteration  # the receiver was stopped
         self._position += 1
         if record.kind == board.SLOT:
-            self.from_board += 1
             return self._slot_frame(position, record), _EMPTY
         if record.kind not in (board.END, board.FRAME):
             raise ProtocolError(f"{self._what}: batch {position}: unknown record {record.kind}")
