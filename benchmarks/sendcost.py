@@ -10,13 +10,20 @@ that `recv_into`s every batch into one preallocated buffer on the other:
 - **sendfile**: `os.sendfile` from the file's descriptor: the kernel references the file's
   pages instead of copying them, so the sender must not reuse them until the receiver has read
   them (on a NIC, until they are acknowledged);
-- **splice**: `os.splice` file -> pipe (1 MiB) -> socket, the same page references by hand.
+- **splice**: `os.splice` file -> pipe (1 MiB) -> socket, the same page references by hand;
+- **zerocopy**: `send(..., MSG_ZEROCOPY)` on a socket with `SO_ZEROCOPY` (the kernel's
+  msg_zerocopy.rst): the kernel pins the mapped pages instead of copying them and says on the
+  socket's error queue when it is done with them; each notice also says whether it copied them
+  after all, which it does whenever the receiver is on the same host (loopback, veth: such
+  pages are copied before they reach another socket). The column `copied` counts those notices.
 
 for two kinds of file: a `memfd_create` one and a file in /dev/shm (what torch's
 `share_memory_()`, and so a worker's slot, uses). Sender CPU is the sending thread's
 `time.thread_time()` per batch, median of `--rounds`; GB/s is the batch bytes over the wall
-time of a round. On loopback the receiver's copy is not the sender's; MSG_ZEROCOPY is not
-measured: loopback delivers such pages by copying them anyway (the kernel's msg_zerocopy.rst).
+time of a round. The thread's time leaves out what the kernel does for it in softirq (where
+loopback delivers, and where MSG_ZEROCOPY's copy lands) on a kernel that accounts irq time
+apart (CONFIG_IRQ_TIME_ACCOUNTING), so the machine's busy CPU per batch (/proc/stat, both ends
+and softirq; run it on an idle machine) and its softirq part are shown beside it.
 
     python benchmarks/sendcost.py [--mb 9.63] [--batches 40] [--rounds 5]
 """
@@ -25,11 +32,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import errno
 import fcntl
 import mmap
 import os
+import select
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -43,6 +54,44 @@ if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package o
 from remote_loader.protos import tcp  # noqa: E402
 
 PIPE_BYTES = 1 << 20  # splice's pipe: F_SETPIPE_SZ, as large as an unprivileged pipe may be
+# Linux's uapi values (asm-generic/socket.h, linux/socket.h, linux/errqueue.h); Python 3.11's
+# socket module does not name them.
+SO_ZEROCOPY = 60
+MSG_ZEROCOPY = 0x4000000
+SO_EE_ORIGIN_ZEROCOPY = 5
+SO_EE_CODE_ZEROCOPY_COPIED = 1
+EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
+
+
+class Notices:
+    """A MSG_ZEROCOPY sender's completion notices, read off its socket's error queue: the
+    highest send call the kernel is done with, and how many notices said it copied."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.calls = 0  # zero-copy send calls made
+        self.done = -1  # the kernel is done with calls 0..done
+        self.copied = 0
+
+    def read(self, wait: bool = False) -> None:
+        """Reads every notice queued (with `wait`, waits up to a second for one first)."""
+        if wait:  # a queued notice shows as POLLERR, which poll reports unasked
+            poller = select.poll()
+            poller.register(self.sock, 0)
+            poller.poll(1000)
+        while True:
+            try:
+                _, ancillary, _, _ = self.sock.recvmsg(
+                    0, 1024, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                return
+            for _level, _type, data in ancillary:
+                _errno, origin, _, code, _, _first, last = EXTENDED_ERR.unpack_from(data)
+                if origin != SO_EE_ORIGIN_ZEROCOPY:
+                    raise OSError(_errno, f"an error on the socket's queue: {os.strerror(_errno)}")
+                self.done = max(self.done, last)
+                self.copied += code & SO_EE_CODE_ZEROCOPY_COPIED
 
 
 @contextlib.contextmanager
@@ -77,12 +126,17 @@ def receiver(sock: socket.socket, nbytes: int, batches: int) -> None:
 
 
 @contextlib.contextmanager
-def sender(way: str, fd: int, nbytes: int) -> Iterator[Callable[[socket.socket], None]]:
-    """One batch's send in `way`, out of file `fd`."""
-    if way == "send":
+def sender(
+    way: str, fd: int, nbytes: int, notices: Notices | None = None
+) -> Iterator[Callable[[socket.socket], None]]:
+    """One batch's send in `way`, out of file `fd` (zerocopy: its notices read into `notices`)."""
+    if way in ("send", "zerocopy"):
         with mmap.mmap(fd, nbytes) as mapped:
             view = memoryview(mapped)
-            yield lambda sock: sock.sendall(view)
+            if notices is None:
+                yield lambda sock: sock.sendall(view)
+            else:
+                yield _zero_copy(view, notices)
             view.release()
         return
     if way == "sendfile":
@@ -112,23 +166,71 @@ def sender(way: str, fd: int, nbytes: int) -> Iterator[Callable[[socket.socket],
         os.close(w)
 
 
-def one_round(way: str, fd: int, nbytes: int, batches: int) -> tuple[float, float]:
-    """Sender CPU s per batch and GB/s over `batches` batches on a fresh connection."""
+def _zero_copy(view: memoryview, notices: Notices) -> Callable[[socket.socket], None]:
+    def send_zero_copy(sock: socket.socket) -> None:
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += sock.send(view[sent:], MSG_ZEROCOPY)
+                notices.calls += 1
+            except OSError as exc:  # ENOBUFS: too many pinned pages not yet given back
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                notices.read(wait=True)
+            notices.read()
+
+    return send_zero_copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    sender: float  # the sending thread's CPU s per batch
+    machine: float  # the machine's busy CPU s per batch (both ends, softirq included)
+    softirq: float  # of which softirq
+    rate: float  # GB/s
+    copied: int  # zero-copy notices that said the kernel copied
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """The machine's busy and softirq CPU seconds so far, all CPUs (/proc/stat's first line)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / hz, ticks[6] / hz  # guest time is already in user
+
+
+def one_round(way: str, fd: int, nbytes: int, batches: int) -> Round:
+    """One round of `batches` batches on a fresh connection."""
     ours, theirs = _tcp_pair()
+    notices = None
+    if way == "zerocopy":
+        ours.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+        notices = Notices(ours)
     pid = os.fork()
     if pid == 0:
         ours.close()
         receiver(theirs, nbytes, batches)
     theirs.close()
-    with sender(way, fd, nbytes) as send:
+    with sender(way, fd, nbytes, notices) as send:
+        busy, softirq = _machine_cpu()
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(batches):
             send(ours)
+        while notices is not None and notices.done < notices.calls - 1:
+            notices.read(wait=True)  # the pages may be reused only now
         ours.recv(1)  # everything arrived
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        busy_after, softirq_after = _machine_cpu()
     os.waitpid(pid, 0)
     ours.close()
-    return cpu / batches, nbytes * batches / wall / 1e9
+    return Round(
+        sender=cpu / batches,
+        machine=(busy_after - busy) / batches,
+        softirq=(softirq_after - softirq) / batches,
+        rate=nbytes * batches / wall / 1e9,
+        copied=notices.copied if notices else 0,
+    )
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -157,14 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         f"round, {args.rounds} rounds (medians); {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
     )
-    print(f"{'file':8} {'way':9} {'sender CPU ms/batch':>20} {'GB/s':>7}")
+    print(
+        f"{'file':8} {'way':9} {'sender ms/batch':>15} {'machine ms/batch':>16} "
+        f"{'of it softirq':>13} {'GB/s':>6} {'copied':>7}"
+    )
     for kind in ("memfd", "/dev/shm"):
         with shm_file(kind, nbytes) as fd:
-            for way in ("send", "sendfile", "splice"):
-                results = [one_round(way, fd, nbytes, args.batches) for _ in range(args.rounds)]
-                cpu = statistics.median(r[0] for r in results)
-                rate = statistics.median(r[1] for r in results)
-                print(f"{kind:8} {way:9} {cpu * 1e3:20.2f} {rate:7.2f}")
+            for way in ("send", "sendfile", "splice", "zerocopy"):
+                rounds = [one_round(way, fd, nbytes, args.batches) for _ in range(args.rounds)]
+                m = {
+                    field.name: statistics.median(getattr(r, field.name) for r in rounds)
+                    for field in dataclasses.fields(Round)
+                }
+                copied = "" if way != "zerocopy" else f"{sum(r.copied for r in rounds)}"
+                print(
+                    f"{kind:8} {way:9} {m['sender'] * 1e3:15.2f} {m['machine'] * 1e3:16.2f} "
+                    f"{m['softirq'] * 1e3:13.2f} {m['rate']:6.2f} {copied:>7}"
+                )
     return 0
 
 
