@@ -3,7 +3,9 @@
 - base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
   other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
-- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py).
+- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py);
+- board.py: following a broadcast job's board, where a same-host consumer reads which slot holds
+  each batch instead of a Frame per batch (protos/board.py).
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
