@@ -13,9 +13,10 @@ that `recv_into`s every batch into one preallocated buffer on the other:
 - **splice**: `os.splice` file -> pipe (1 MiB) -> socket, the same page references by hand;
 - **zerocopy**: `send(..., MSG_ZEROCOPY)` on a socket with `SO_ZEROCOPY` (the kernel's
   msg_zerocopy.rst): the kernel pins the mapped pages instead of copying them and says on the
-  socket's error queue when it is done with them; each notice also says whether it copied them
-  after all, which it does whenever the receiver is on the same host (loopback, veth: such
-  pages are copied before they reach another socket). The column `copied` counts those notices.
+  socket's error queue when it is done with them (a notice may cover several calls); each also
+  says whether it copied them after all, which it does when the receiver is on the same host
+  (msg_zerocopy.rst, "Loopback"; measured on veth into another namespace too). The column
+  `copied/notices` counts those.
 
 for two kinds of file: a `memfd_create` one and a file in /dev/shm (what torch's
 `share_memory_()`, and so a worker's slot, uses). Sender CPU is the sending thread's
@@ -25,7 +26,7 @@ loopback delivers, and where MSG_ZEROCOPY's copy lands) on a kernel that account
 apart (CONFIG_IRQ_TIME_ACCOUNTING), so the machine's busy CPU per batch (/proc/stat, both ends
 and softirq; run it on an idle machine) and its softirq part are shown beside it.
 
-    python benchmarks/sendcost.py [--mb 9.63] [--batches 40] [--rounds 5]
+    python benchmarks/sendcost.py [--mb 9.63] [--batches 40] [--rounds 5] [--cross-host]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import select
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package on the path
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import netns  # noqa: E402
 from remote_loader.protos import tcp  # noqa: E402
 
 PIPE_BYTES = 1 << 20  # splice's pipe: F_SETPIPE_SZ, as large as an unprivileged pipe may be
@@ -71,7 +74,8 @@ class Notices:
         self.sock = sock
         self.calls = 0  # zero-copy send calls made
         self.done = -1  # the kernel is done with calls 0..done
-        self.copied = 0
+        self.notices = 0
+        self.copied = 0  # of the notices
 
     def read(self, wait: bool = False) -> None:
         """Reads every notice queued (with `wait`, waits up to a second for one first)."""
@@ -91,6 +95,7 @@ class Notices:
                 if origin != SO_EE_ORIGIN_ZEROCOPY:
                     raise OSError(_errno, f"an error on the socket's queue: {os.strerror(_errno)}")
                 self.done = max(self.done, last)
+                self.notices += 1
                 self.copied += code & SO_EE_CODE_ZEROCOPY_COPIED
 
 
@@ -111,18 +116,35 @@ def shm_file(kind: str, nbytes: int) -> Iterator[int]:
         os.close(fd)
 
 
-def receiver(sock: socket.socket, nbytes: int, batches: int) -> None:
-    """The child: reads `batches` batches into one buffer, then says so with one byte."""
+def receive(sock: socket.socket, nbytes: int, batches: int) -> bool:
+    """Reads `batches` batches into one buffer, then says so with one byte; False if the
+    connection closed first."""
     buffer = memoryview(bytearray(nbytes))
     for _ in range(batches):
         got = 0
         while got < nbytes:
             n = sock.recv_into(buffer[got:], nbytes - got)
             if n == 0:
-                os._exit(1)
+                return False
             got += n
     sock.sendall(b"k")
-    os._exit(0)
+    return True
+
+
+def receiver(sock: socket.socket, nbytes: int, batches: int) -> None:
+    """The forked child, on loopback."""
+    os._exit(0 if receive(sock, nbytes, batches) else 1)
+
+
+def receiver_in_namespace(nbytes: int, batches: int) -> int:
+    """`--receive`: the receiver of a --cross-host round, run inside the namespace: prints the
+    port it listens on, takes one connection and reads from it."""
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        print(listener.getsockname()[1], flush=True)
+        sock, _ = listener.accept()
+    with sock:
+        tcp.tune(sock)
+        return 0 if receive(sock, nbytes, batches) else 1
 
 
 @contextlib.contextmanager
@@ -189,6 +211,7 @@ class Round:
     softirq: float  # of which softirq
     rate: float  # GB/s
     copied: int  # zero-copy notices that said the kernel copied
+    notices: int  # zero-copy notices in all
 
 
 def _machine_cpu() -> tuple[float, float]:
@@ -200,18 +223,36 @@ def _machine_cpu() -> tuple[float, float]:
     return (sum(ticks[:8]) - idle) / hz, ticks[6] / hz  # guest time is already in user
 
 
-def one_round(way: str, fd: int, nbytes: int, batches: int) -> Round:
-    """One round of `batches` batches on a fresh connection."""
-    ours, theirs = _tcp_pair()
+def one_round(way: str, fd: int, nbytes: int, batches: int, link: netns.Link | None) -> Round:
+    """One round of `batches` batches on a fresh connection: to a forked child on loopback, or
+    (`link`) to a receiver in the link's namespace."""
+    with contextlib.ExitStack() as stack:
+        if link is None:
+            ours, theirs = _tcp_pair()
+            pid = os.fork()
+            if pid == 0:
+                ours.close()
+                receiver(theirs, nbytes, batches)
+            theirs.close()
+            stack.callback(os.waitpid, pid, 0)
+        else:
+            argv = [sys.executable, __file__, "--receive", str(nbytes), str(batches)]
+            child = subprocess.Popen(link.wrap(argv), stdout=subprocess.PIPE, text=True)
+            stack.callback(child.wait, 30)
+            assert child.stdout is not None
+            port = int(child.stdout.readline())
+            ours = socket.create_connection((link.server_ip, port), timeout=30)
+            ours.settimeout(None)
+            tcp.tune(ours)
+        stack.callback(ours.close)
+        return _timed(way, fd, nbytes, batches, ours)
+
+
+def _timed(way: str, fd: int, nbytes: int, batches: int, ours: socket.socket) -> Round:
     notices = None
     if way == "zerocopy":
         ours.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
         notices = Notices(ours)
-    pid = os.fork()
-    if pid == 0:
-        ours.close()
-        receiver(theirs, nbytes, batches)
-    theirs.close()
     with sender(way, fd, nbytes, notices) as send:
         busy, softirq = _machine_cpu()
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -222,14 +263,13 @@ def one_round(way: str, fd: int, nbytes: int, batches: int) -> Round:
         ours.recv(1)  # everything arrived
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
         busy_after, softirq_after = _machine_cpu()
-    os.waitpid(pid, 0)
-    ours.close()
     return Round(
         sender=cpu / batches,
         machine=(busy_after - busy) / batches,
         softirq=(softirq_after - softirq) / batches,
         rate=nbytes * batches / wall / 1e9,
         copied=notices.copied if notices else 0,
+        notices=notices.notices if notices else 0,
     )
 
 
@@ -250,33 +290,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=9.63, help="batch size in MB (images')")
     parser.add_argument("--batches", type=int, default=40, help="batches per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--cross-host",
+        action="store_true",
+        help="the receiver in a network namespace of its own, over a veth pair (root; "
+        "benchmarks/netns.py), as compare.py --cross-host",
+    )
+    parser.add_argument("--receive", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.receive:
+        return receiver_in_namespace(*args.receive)
     if args.mb <= 0 or args.batches < 1 or args.rounds < 1:
         raise SystemExit("--mb must be positive, --batches and --rounds at least 1")
     nbytes = int(args.mb * 1e6)
+    with contextlib.ExitStack() as stack:
+        link = None
+        if args.cross_host:
+            try:
+                link = stack.enter_context(netns.Link.create())
+            except netns.NetnsError as exc:
+                raise SystemExit(f"--cross-host: {exc}") from None
+        _measure(args, nbytes, link)
+    return 0
+
+
+def _measure(args: argparse.Namespace, nbytes: int, link: netns.Link | None) -> None:
+    where = "on loopback"
+    if link is not None:
+        where = (
+            f"across the veth pair {link.host_veth}-{link.ns_veth} (receiver in network "
+            f"namespace {link.namespace} at {link.server_ip}, sender in the root namespace)"
+        )
     print(
-        f"one TCP connection on loopback, {nbytes / 1e6:.2f} MB batches, {args.batches} per "
+        f"one TCP connection {where}, {nbytes / 1e6:.2f} MB batches, {args.batches} per "
         f"round, {args.rounds} rounds (medians); {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
     )
     print(
         f"{'file':8} {'way':9} {'sender ms/batch':>15} {'machine ms/batch':>16} "
-        f"{'of it softirq':>13} {'GB/s':>6} {'copied':>7}"
+        f"{'of it softirq':>13} {'GB/s':>6} {'copied/notices':>14}"
     )
     for kind in ("memfd", "/dev/shm"):
         with shm_file(kind, nbytes) as fd:
             for way in ("send", "sendfile", "splice", "zerocopy"):
-                rounds = [one_round(way, fd, nbytes, args.batches) for _ in range(args.rounds)]
+                rounds = [
+                    one_round(way, fd, nbytes, args.batches, link) for _ in range(args.rounds)
+                ]
                 m = {
                     field.name: statistics.median(getattr(r, field.name) for r in rounds)
                     for field in dataclasses.fields(Round)
                 }
-                copied = "" if way != "zerocopy" else f"{sum(r.copied for r in rounds)}"
+                copied = (
+                    f"{sum(r.copied for r in rounds)}/{sum(r.notices for r in rounds)}"
+                    if way == "zerocopy"
+                    else ""
+                )
                 print(
                     f"{kind:8} {way:9} {m['sender'] * 1e3:15.2f} {m['machine'] * 1e3:16.2f} "
-                    f"{m['softirq'] * 1e3:13.2f} {m['rate']:6.2f} {copied:>7}"
+                    f"{m['softirq'] * 1e3:13.2f} {m['rate']:6.2f} {copied:>14}"
                 )
-    return 0
 
 
 if __name__ == "__main__":
