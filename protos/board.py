@@ -58,14 +58,22 @@ from 50 us backing off to 2 ms, until then, or against a server without a bell).
 be missed only when the client's "I sleep" and the server's `published` cross in the store
 buffers; WAKE_TICK bounds what that costs.
 
-Loads and stores are ordered as the rings' are: a record is written before `published` moves
-past it, and x86 keeps stores in order and loads in order.
+Ordering: a record is written before `published` moves past it, and its position word is
+cleared before and set after its body; a reader loads them the other way round. Nothing in
+between releases the GIL or makes a system call, so nothing but the processor orders them,
+and x86 keeps stores in order and loads in order (TSO). Weaker machines (arm64, ppc64le) may
+not, and Python has no fence to put between them: a reader could take a record's new position
+word with its old body, the batch of a previous lap. So a board is only made where
+`ordered_here()`; elsewhere broadcast consumers are sent their batches (zero-copy all the same:
+a ring's and a slot's words are only read after a gRPC message or a numpy copy has gone through
+the GIL's atomic operations, which order them on every machine; NOTE [ Zero-copy slots ]).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import re
 import secrets
 import struct
@@ -93,6 +101,13 @@ _BODY_AT = 8
 # Boards a client asks for hold at most this many records (a broadcast_window past it would be
 # a server's mistake, not a reason to map gigabytes).
 MAX_RECORDS = 1 << 16
+# platform.machine() of the machines that keep stores and loads in order (see Ordering above).
+ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
+
+
+def ordered_here() -> bool:
+    """Whether this machine orders the board's loads and stores by itself (x86)."""
+    return platform.machine().lower() in ORDERED_MACHINES
 
 
 class Record(NamedTuple):

@@ -89,13 +89,15 @@ def following(
 ) -> Following | None:
     """What a stream follows, if it follows its Run's board: a broadcast consumer whose client
     offered to and maps the workers' slots itself (`sender`: zero-copy shared memory), of a
-    loader whose batches are in slots (workers). None: it is sent its batches."""
+    loader whose batches are in slots (workers), on a machine that orders the board's loads and
+    stores (x86: NOTE [ Broadcast board ]). None: it is sent its batches."""
     if not (
         request.board
         and consumer.membership.sharing == "broadcast"
         and isinstance(sender, ShmSender)
         and sender.zero_copy
         and num_workers != 0
+        and board.ordered_here()
     ):
         return None
     control = sender.open_control()

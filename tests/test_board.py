@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -313,6 +314,24 @@ def test_a_stalled_consumer_following_the_board_is_detached(
         assert [first, *rest] == list(range(40))
     stalled.close()
     assert board_batches(caplog).count(40) >= 2  # the two that read on followed the board
+
+
+def test_no_board_where_the_machine_may_reorder_its_loads_and_stores(
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Broadcast board ]: its seqlock has no fence but x86's ordering; on arm64 the
+    # consumers are sent their batches instead (what platform.machine() says there).
+    caplog.set_level(logging.INFO, logger="remote_loader.server.service")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    sizes = [200_000] * 8
+    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
+    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
+    for received in got:
+        assert_same(received, expected(sizes))
+    assert board_batches(caplog) == [0, 0]
+    assert not board.ordered_here()
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert board.ordered_here()
 
 
 def test_a_window_longer_than_a_board_is_sent_its_batches(
