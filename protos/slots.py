@@ -38,8 +38,12 @@ when the client released it, or when the stream is over (finished: every batch w
 first; cancelled or broken: the client may be mid-copy). The client compares the generation
 before and after its copy: a changed value means the slot was reused under it, and the batch
 is treated as a broken stream (resumed from that batch), never delivered torn. Loads and stores
-around the copy are ordered by x86's memory model; elsewhere the GIL's atomic operations on
-both sides act as the barriers. A server that dies takes its descriptors with it: a client
+around the copy are ordered by x86's memory model. Elsewhere (arm64) the GIL's atomic
+operations order the client's copy before its second look and its release, but nothing Python
+can do orders a worker's odd generation before its first stores of the next batch, so a client
+still copying a batch whose stream the server has let go of (cancelled, detached mid-copy)
+might miss the rewrite there; the release path itself never rewrites a slot being read. A
+server that dies takes its descriptors with it: a client
 whose open fails gives shared memory up for the rest of the loader (TransportUnusable), and
 resumes like any broken stream.
 
