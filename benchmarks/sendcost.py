@@ -21,10 +21,11 @@ that `recv_into`s every batch into one preallocated buffer on the other:
 for two kinds of file: a `memfd_create` one and a file in /dev/shm (what torch's
 `share_memory_()`, and so a worker's slot, uses). Sender CPU is the sending thread's
 `time.thread_time()` per batch, median of `--rounds`; GB/s is the batch bytes over the wall
-time of a round. The thread's time leaves out what the kernel does for it in softirq (where
-loopback delivers, and where MSG_ZEROCOPY's copy lands) on a kernel that accounts irq time
-apart (CONFIG_IRQ_TIME_ACCOUNTING), so the machine's busy CPU per batch (/proc/stat, both ends
-and softirq; run it on an idle machine) and its softirq part are shown beside it.
+time of a round; `copied/notices` is summed over the rounds. The thread's time leaves out what
+the kernel does for it in softirq (where loopback delivers, and where MSG_ZEROCOPY's copy
+lands) on a kernel that accounts irq time apart (CONFIG_IRQ_TIME_ACCOUNTING), so the machine's
+busy CPU per batch (/proc/stat, both ends and softirq; run it on an idle machine) and its
+softirq part are shown beside it. A round that stalls for ROUND_TIMEOUT fails.
 
     python benchmarks/sendcost.py [--mb 9.63] [--batches 40] [--rounds 5] [--cross-host]
 """
@@ -66,14 +67,22 @@ SO_EE_CODE_ZEROCOPY_COPIED = 1
 EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
 
 
+# The most a round may take before it is given up as stalled (a receiver that died or hung):
+# the sockets' SO_SNDTIMEO / SO_RCVTIMEO, and the wait for the last zero-copy notices.
+ROUND_TIMEOUT = 60.0
+
+
 class Notices:
-    """A MSG_ZEROCOPY sender's completion notices, read off its socket's error queue: the
-    highest send call the kernel is done with, and how many notices said it copied."""
+    """A MSG_ZEROCOPY sender's completion notices, read off its socket's error queue: how many
+    of its send calls the kernel is done with, and how many notices said it copied.
+
+    A notice covers the calls [first, last] (numbered from 0); notices usually come in order,
+    not always (msg_zerocopy.rst), so the calls covered are added up, not the last taken."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.calls = 0  # zero-copy send calls made
-        self.done = -1  # the kernel is done with calls 0..done
+        self.done = 0  # of them, those the kernel is done with
         self.notices = 0
         self.copied = 0  # of the notices
 
@@ -91,10 +100,10 @@ class Notices:
             except BlockingIOError:
                 return
             for _level, _type, data in ancillary:
-                _errno, origin, _, code, _, _first, last = EXTENDED_ERR.unpack_from(data)
+                number, origin, _, code, _, first, last = EXTENDED_ERR.unpack_from(data)
                 if origin != SO_EE_ORIGIN_ZEROCOPY:
-                    raise OSError(_errno, f"an error on the socket's queue: {os.strerror(_errno)}")
-                self.done = max(self.done, last)
+                    raise OSError(number, f"an error on the socket's queue: {os.strerror(number)}")
+                self.done += last - first + 1
                 self.notices += 1
                 self.copied += code & SO_EE_CODE_ZEROCOPY_COPIED
 
@@ -132,8 +141,12 @@ def receive(sock: socket.socket, nbytes: int, batches: int) -> bool:
 
 
 def receiver(sock: socket.socket, nbytes: int, batches: int) -> None:
-    """The forked child, on loopback."""
-    os._exit(0 if receive(sock, nbytes, batches) else 1)
+    """The forked child, on loopback: never returns into the parent's code."""
+    code = 1
+    try:
+        code = 0 if receive(sock, nbytes, batches) else 1
+    finally:
+        os._exit(code)
 
 
 def receiver_in_namespace(nbytes: int, batches: int) -> int:
@@ -155,11 +168,13 @@ def sender(
     if way in ("send", "zerocopy"):
         with mmap.mmap(fd, nbytes) as mapped:
             view = memoryview(mapped)
-            if notices is None:
-                yield lambda sock: sock.sendall(view)
-            else:
-                yield _zero_copy(view, notices)
-            view.release()
+            try:
+                if notices is None:
+                    yield lambda sock: sock.sendall(view)
+                else:
+                    yield _zero_copy(view, notices)
+            finally:
+                view.release()  # before the map closes, which refuses while a view is out
         return
     if way == "sendfile":
 
@@ -189,6 +204,9 @@ def sender(
 
 
 def _zero_copy(view: memoryview, notices: Notices) -> Callable[[socket.socket], None]:
+    """A batch's send of `view` with MSG_ZEROCOPY, counting its calls and reading the notices
+    as they come (the kernel refuses more with ENOBUFS while too many pages are pinned)."""
+
     def send_zero_copy(sock: socket.socket) -> None:
         sent = 0
         while sent < len(view):
@@ -214,13 +232,18 @@ class Round:
     notices: int  # zero-copy notices in all
 
 
+MEDIANS = ("sender", "machine", "softirq", "rate")  # Round's fields shown as medians
+
+
 def _machine_cpu() -> tuple[float, float]:
-    """The machine's busy and softirq CPU seconds so far, all CPUs (/proc/stat's first line)."""
+    """The machine's busy and softirq CPU seconds so far, all CPUs (/proc/stat's first line:
+    user nice system idle iowait irq softirq steal ...; guest time is already in user, and
+    steal is the hypervisor's, not work done here)."""
     with open("/proc/stat") as stat:
         ticks = [int(x) for x in stat.readline().split()[1:]]
     hz = os.sysconf("SC_CLK_TCK")
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks[:8]) - idle) / hz, ticks[6] / hz  # guest time is already in user
+    user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
+    return (user + nice + system + irq + softirq) / hz, softirq / hz
 
 
 def one_round(way: str, fd: int, nbytes: int, batches: int, link: netns.Link | None) -> Round:
@@ -234,21 +257,49 @@ def one_round(way: str, fd: int, nbytes: int, batches: int, link: netns.Link | N
                 ours.close()
                 receiver(theirs, nbytes, batches)
             theirs.close()
-            stack.callback(os.waitpid, pid, 0)
+            stack.callback(_reap_fork, pid)
         else:
             argv = [sys.executable, __file__, "--receive", str(nbytes), str(batches)]
             child = subprocess.Popen(link.wrap(argv), stdout=subprocess.PIPE, text=True)
-            stack.callback(child.wait, 30)
+            stack.callback(_reap_child, child)
             assert child.stdout is not None
-            port = int(child.stdout.readline())
-            ours = socket.create_connection((link.server_ip, port), timeout=30)
-            ours.settimeout(None)
+            ready, _, _ = select.select([child.stdout], [], [], ROUND_TIMEOUT)
+            line = child.stdout.readline() if ready else ""
+            if not line.strip().isdigit():
+                raise RuntimeError(f"the receiver in {link.namespace} did not say its port")
+            ours = socket.create_connection((link.server_ip, int(line)), timeout=ROUND_TIMEOUT)
+            ours.settimeout(None)  # blocking: sendfile and splice write the descriptor itself
             tcp.tune(ours)
         stack.callback(ours.close)
+        # A receiver that stalls makes a send or the last read fail instead of hanging.
+        timeout = struct.pack("ll", int(ROUND_TIMEOUT), 0)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
         return _timed(way, fd, nbytes, batches, ours)
 
 
+def _reap_fork(pid: int) -> None:
+    _, status = os.waitpid(pid, 0)  # the socket is closed first: a stalled child gets EOF
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError("the receiver failed")
+
+
+def _reap_child(child: subprocess.Popen[str]) -> None:
+    try:
+        code = child.wait(ROUND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise RuntimeError("the receiver did not finish") from None
+    finally:
+        assert child.stdout is not None
+        child.stdout.close()
+    if code != 0:
+        raise RuntimeError(f"the receiver failed (exit status {code})")
+
+
 def _timed(way: str, fd: int, nbytes: int, batches: int, ours: socket.socket) -> Round:
+    """Sends `batches` batches in `way` on `ours` and waits until the receiver has them all."""
     notices = None
     if way == "zerocopy":
         ours.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
@@ -258,9 +309,13 @@ def _timed(way: str, fd: int, nbytes: int, batches: int, ours: socket.socket) ->
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(batches):
             send(ours)
-        while notices is not None and notices.done < notices.calls - 1:
-            notices.read(wait=True)  # the pages may be reused only now
-        ours.recv(1)  # everything arrived
+        deadline = time.monotonic() + ROUND_TIMEOUT
+        while notices is not None and notices.done < notices.calls:
+            if time.monotonic() > deadline:  # the pages may be reused only once all are back
+                raise RuntimeError(f"{notices.calls - notices.done} zero-copy sends never done")
+            notices.read(wait=True)
+        if ours.recv(1) != b"k":
+            raise RuntimeError("the receiver did not read every batch")
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
         busy_after, softirq_after = _machine_cpu()
     return Round(
@@ -337,8 +392,7 @@ def _measure(args: argparse.Namespace, nbytes: int, link: netns.Link | None) -> 
                     one_round(way, fd, nbytes, args.batches, link) for _ in range(args.rounds)
                 ]
                 m = {
-                    field.name: statistics.median(getattr(r, field.name) for r in rounds)
-                    for field in dataclasses.fields(Round)
+                    field: statistics.median(getattr(r, field) for r in rounds) for field in MEDIANS
                 }
                 copied = (
                     f"{sum(r.copied for r in rounds)}/{sum(r.notices for r in rounds)}"
