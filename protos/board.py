@@ -63,10 +63,11 @@ cleared before and set after its body; a reader loads them the other way round. 
 between releases the GIL or makes a system call, so nothing but the processor orders them,
 and x86 keeps stores in order and loads in order (TSO). Weaker machines (arm64, ppc64le) may
 not, and Python has no fence to put between them: a reader could take a record's new position
-word with its old body, the batch of a previous lap. So a board is only made where
-`ordered_here()`; elsewhere broadcast consumers are sent their batches (zero-copy all the same:
-a ring's and a slot's words are only read after a gRPC message or a numpy copy has gone through
-the GIL's atomic operations, which order them on every machine; NOTE [ Zero-copy slots ]).
+word with its old body, the batch of a previous lap. So a server makes a board only where
+`ordered_here()`, and a client offers to follow one only where its own machine says so (the
+two may differ under emulation); elsewhere broadcast consumers are sent a Frame per batch and
+still read their slots (the GIL's hand-offs around a slot's copy order most of what that
+needs; NOTE [ Zero-copy slots ] says what they leave on arm64).
 """
 
 from __future__ import annotations

@@ -34,6 +34,13 @@ from tests.test_shm import expected, sizes_spec
 # --- the records -------------------------------------------------------------------------------
 
 
+# The board is used only where the machine keeps its loads and stores in order (NOTE [ Broadcast
+# board ]); these tests assert that it is used.
+needs_board = pytest.mark.skipif(
+    not board.ordered_here(), reason="the broadcast board is used on x86 only"
+)
+
+
 def slot_record(n: int) -> board.Record:
     return board.Record(board.SLOT, total_bytes=n, header_bytes=64, pid=1, fd=2, inode=3)
 
@@ -200,6 +207,7 @@ def broadcast(
     return consume
 
 
+@needs_board
 def test_broadcast_consumers_follow_the_board_and_get_every_batch_once(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -229,6 +237,7 @@ def test_what_cannot_follow_a_board_is_sent_its_batches(
     assert board_batches(caplog) == [0, 0, 0]
 
 
+@needs_board
 def test_an_error_arrives_at_its_position_on_the_board(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -266,6 +275,7 @@ def test_an_error_arrives_at_its_position_on_the_board(
     assert board_batches(caplog) == [10, 10]  # the error counts as a position passed
 
 
+@needs_board
 @pytest.mark.parametrize("retries", [0, 5])
 def test_a_stalled_consumer_following_the_board_is_detached(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, retries: int
@@ -319,19 +329,63 @@ def test_a_stalled_consumer_following_the_board_is_detached(
 def test_no_board_where_the_machine_may_reorder_its_loads_and_stores(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # NOTE [ Broadcast board ]: its seqlock has no fence but x86's ordering; on arm64 the
-    # consumers are sent their batches instead (what platform.machine() says there).
+    # NOTE [ Broadcast board ]: its seqlock has no fence but x86's ordering; elsewhere the
+    # server sends the consumers their batches, even to a client that offers to follow (one
+    # whose own machine is, or is emulated as, x86).
     caplog.set_level(logging.INFO, logger="remote_loader.server.service")
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(board, "ordered_here", lambda: False)
+    from remote_loader.client.transports import StreamEnds
+
+    real = StreamEnds.offer
+
+    def offering_to_follow(self: StreamEnds, request: object) -> None:
+        real(self, request)  # type: ignore[arg-type]
+        request.board = True  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(StreamEnds, "offer", offering_to_follow)
     sizes = [200_000] * 8
     served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
     got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
     for received in got:
         assert_same(received, expected(sizes))
     assert board_batches(caplog) == [0, 0]
-    assert not board.ordered_here()
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert board.ordered_here()
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_client_offers_to_follow_a_board_only_where_its_loads_stay_in_order(
+    ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from remote_loader.client.transports import StreamEnds
+    from remote_loader.protos import loader_pb2 as pb
+
+    monkeypatch.setattr(board, "ordered_here", lambda: ordered)
+    ends = StreamEnds("test", shm.Probe(), None, lambda: False)
+    try:
+        request = pb.StreamRequest()
+        ends.offer(request)
+        assert request.HasField("shm")
+        assert request.board is ordered
+    finally:
+        ends.close()
+
+
+@pytest.mark.parametrize(
+    ("machine", "ordered"),
+    [
+        ("x86_64", True),
+        ("AMD64", True),
+        ("i686", True),
+        ("aarch64", False),
+        ("arm64", False),
+        ("ppc64le", False),
+        ("riscv64", False),
+    ],
+)
+def test_only_x86_counts_as_ordered(
+    machine: str, ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: machine)  # what board reads
+    assert board.ordered_here() is ordered
 
 
 def test_a_window_longer_than_a_board_is_sent_its_batches(

@@ -5,7 +5,8 @@
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
 - tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py);
 - board.py: following a broadcast job's board, where a same-host consumer reads which slot holds
-  each batch instead of a Frame per batch (protos/board.py).
+  each batch instead of a Frame per batch, when the server announces one (protos/board.py;
+  only on x86).
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
@@ -22,6 +23,7 @@ from remote_loader.client.transports.base import BatchReused, End, InbandEnd, Tr
 from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
+from remote_loader.protos import board as board_protocol
 from remote_loader.protos import loader_pb2 as pb
 
 # Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
@@ -129,7 +131,9 @@ class StreamEnds:
         offer = self._shm.offer()
         if offer is not None:
             request.shm.CopyFrom(offer)
-            request.board = True  # NOTE [ Broadcast board ]: followed if the server has one
+            # NOTE [ Broadcast board ]: followed if the server has one, where this machine
+            # keeps the board's loads in order (the server's may be emulated).
+            request.board = board_protocol.ordered_here()
         request.tcp = self._tcp.asked
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
