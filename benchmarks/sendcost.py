@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package on the path
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import netns  # noqa: E402
+from benchmarks import netns, processes  # noqa: E402
 from remote_loader.protos import tcp  # noqa: E402
 
 PIPE_BYTES = 1 << 20  # splice's pipe: F_SETPIPE_SZ, as large as an unprivileged pipe may be
@@ -153,7 +153,7 @@ def receiver_in_namespace(nbytes: int, batches: int) -> int:
     """`--receive`: the receiver of a --cross-host round, run inside the namespace: prints the
     port it listens on, takes one connection and reads from it."""
     with socket.create_server(("0.0.0.0", 0)) as listener:
-        print(listener.getsockname()[1], flush=True)
+        print(f"sendcost receiver: serving on port {listener.getsockname()[1]}", flush=True)
         sock, _ = listener.accept()
     with sock:
         tcp.tune(sock)
@@ -262,12 +262,9 @@ def one_round(way: str, fd: int, nbytes: int, batches: int, link: netns.Link | N
             argv = [sys.executable, __file__, "--receive", str(nbytes), str(batches)]
             child = subprocess.Popen(link.wrap(argv), stdout=subprocess.PIPE, text=True)
             stack.callback(_reap_child, child)
-            assert child.stdout is not None
-            ready, _, _ = select.select([child.stdout], [], [], ROUND_TIMEOUT)
-            line = child.stdout.readline() if ready else ""
-            if not line.strip().isdigit():
-                raise RuntimeError(f"the receiver in {link.namespace} did not say its port")
-            ours = socket.create_connection((link.server_ip, int(line)), timeout=ROUND_TIMEOUT)
+            what = f"the receiver in {link.namespace}"
+            port = processes.banner_port(processes.read_banner(child, what, ROUND_TIMEOUT), what)
+            ours = socket.create_connection((link.server_ip, port), timeout=ROUND_TIMEOUT)
             ours.settimeout(None)  # blocking: sendfile and splice write the descriptor itself
             tcp.tune(ours)
         stack.callback(ours.close)
@@ -286,16 +283,12 @@ def _reap_fork(pid: int) -> None:
 
 def _reap_child(child: subprocess.Popen[str]) -> None:
     try:
-        code = child.wait(ROUND_TIMEOUT)
+        code: int | None = child.wait(ROUND_TIMEOUT)
     except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-        raise RuntimeError("the receiver did not finish") from None
-    finally:
-        assert child.stdout is not None
-        child.stdout.close()
+        code = None
+    processes.stop_process(child)  # closes its pipe; stops one still there
     if code != 0:
-        raise RuntimeError(f"the receiver failed (exit status {code})")
+        raise RuntimeError(f"the receiver failed or hung (exit status {code})")
 
 
 def _timed(way: str, fd: int, nbytes: int, batches: int, ours: socket.socket) -> Round:
