@@ -207,6 +207,31 @@ def broadcast(
     return consume
 
 
+def offering_to_follow(monkeypatch: pytest.MonkeyPatch, board_flag: bool) -> None:
+    """Makes every client's request say `board_flag`, whatever it would have said."""
+    from remote_loader.client.transports import StreamEnds
+
+    real = StreamEnds.offer
+
+    def offer(self: StreamEnds, request: object) -> None:
+        real(self, request)  # type: ignore[arg-type]
+        request.board = board_flag  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(StreamEnds, "offer", offer)
+
+
+def two_consumers_are_sent_their_batches(
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, broadcast_window: int = 3
+) -> None:
+    """Two broadcast consumers of 8 batches get them all, and neither follows a board."""
+    sizes = [200_000] * 8
+    served = serve_loaders(sizes_spec(sizes, broadcast_window=broadcast_window))
+    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
+    for received in got:
+        assert_same(received, expected(sizes))
+    assert board_batches(caplog) == [0, 0]
+
+
 @needs_board
 def test_broadcast_consumers_follow_the_board_and_get_every_batch_once(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
@@ -334,21 +359,8 @@ def test_no_board_where_the_machine_may_reorder_its_loads_and_stores(
     # whose own machine is, or is emulated as, x86).
     caplog.set_level(logging.INFO, logger="remote_loader.server.service")
     monkeypatch.setattr(board, "ordered_here", lambda: False)
-    from remote_loader.client.transports import StreamEnds
-
-    real = StreamEnds.offer
-
-    def offering_to_follow(self: StreamEnds, request: object) -> None:
-        real(self, request)  # type: ignore[arg-type]
-        request.board = True  # type: ignore[attr-defined]
-
-    monkeypatch.setattr(StreamEnds, "offer", offering_to_follow)
-    sizes = [200_000] * 8
-    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
-    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
-    for received in got:
-        assert_same(received, expected(sizes))
-    assert board_batches(caplog) == [0, 0]
+    offering_to_follow(monkeypatch, True)
+    two_consumers_are_sent_their_batches(serve_loaders, caplog)
 
 
 @pytest.mark.parametrize("ordered", [True, False])
@@ -392,30 +404,12 @@ def test_a_window_longer_than_a_board_is_sent_its_batches(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="remote_loader.server.service")
-    sizes = [100_000] * 6
-    served = serve_loaders(sizes_spec(sizes, broadcast_window=board.MAX_RECORDS))
-    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
-    for received in got:
-        assert_same(received, expected(sizes))
-    assert board_batches(caplog) == [0, 0]
+    two_consumers_are_sent_their_batches(serve_loaders, caplog, board.MAX_RECORDS)
 
 
 def test_an_older_client_that_does_not_offer_to_follow_is_sent_its_batches(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="remote_loader.server.service")
-    from remote_loader.client.transports import StreamEnds
-
-    real = StreamEnds.offer
-
-    def without_board(self: StreamEnds, request: object) -> None:
-        real(self, request)  # type: ignore[arg-type]
-        request.board = False  # type: ignore[attr-defined]
-
-    monkeypatch.setattr(StreamEnds, "offer", without_board)
-    sizes = [200_000] * 8
-    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
-    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
-    for received in got:
-        assert_same(received, expected(sizes))
-    assert board_batches(caplog) == [0, 0]
+    offering_to_follow(monkeypatch, False)
+    two_consumers_are_sent_their_batches(serve_loaders, caplog)
