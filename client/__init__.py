@@ -10,6 +10,7 @@ from remote_loader.client.errors import (
     ProtocolError,
     RemoteLoaderError,
     RequestError,
+    ServerBusyError,
     ServerError,
 )
 from remote_loader.client.loader import RemoteLoader
@@ -27,5 +28,6 @@ __all__ = [
     "RemoteLoader",
     "RemoteLoaderError",
     "RequestError",
+    "ServerBusyError",
     "ServerError",
 ]

@@ -68,7 +68,9 @@ class EpochIterator(Iterator[Any]):
             again.CopyFrom(request)
             again.start = first
             ends.offer(again)
-            return owner._stream(again, wait_for_ready=True)
+            # Not wait_for_ready: the receiver has waited for the connection, with a deadline
+            # (NOTE [ Waiting for the server ]); this call would wait for one without any.
+            return owner._stream(again, wait_for_ready=False)
 
         transports = Transports(
             what,

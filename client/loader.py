@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import grpc
 import torch
 
+from remote_loader.client import connect
 from remote_loader.client import state as state_module
+from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.epoch import EpochIterator, LoaderStats
-from remote_loader.client.errors import (
-    ConnectionLostError,
-    LoaderNotFoundError,
-    RequestError,
-    map_rpc_error,
-)
+from remote_loader.client.errors import LoaderNotFoundError, RequestError
 from remote_loader.client.options import (
     check_options,
     compression_codec,
     membership,
     resolve_device,
 )
-from remote_loader.client.receiver import DEFAULT_BACKOFF
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
@@ -39,7 +34,8 @@ class RemoteLoader:
     """Iterates a loader hosted by a remote-loader server, like a `torch.utils.data.DataLoader`.
 
     Args:
-        address: the server, "host:port".
+        address: the server, "host:port" ("[v6]:port" for an IPv6 address; any gRPC target
+            naming a port, or a "unix:" socket); one without a port is a ValueError.
         loader: which of the server's loaders; None picks its only one.
         rank, world_size: this consumer's place in its job. Default: the initialized
             `torch.distributed` group, else the RANK / WORLD_SIZE environment variables, else
@@ -58,13 +54,16 @@ class RemoteLoader:
             bound; with CUDA, at most this many + 2 pinned batches exist at once).
         timeout: seconds to wait for one batch before LoaderTimeoutError; None waits as long as
             the stream is alive.
-        connect_timeout: seconds to wait for the server when connecting (and reconnecting).
+        connect_timeout: seconds one attempt waits for a server that does not answer, when
+            connecting and before each stream (NOTE [ Waiting for the server ] in
+            client/connect.py); a refused connection is retried after the backoff instead.
         token: the server's token, sent on every call as `authorization: Bearer <token>`;
             None takes the REMOTE_LOADER_TOKEN environment variable, "" sends none.
         tls: None or False: plaintext; True: TLS, trusting the system's CAs; a `TLS(ca=...,
             cert=..., key=..., server_name=...)` for a private CA or mutual TLS.
         retries: how many times in a row a broken stream is resumed without a batch arriving
-            before the error reaches the training loop (0: never resume).
+            before the error reaches the training loop (0: never resume); also how many times
+            the first connection is tried again after a refusal.
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
         transport: "auto" moves batches through shared memory when the server shares this
             host's /dev/shm (the same machine, or containers sharing IPC), else on a data
@@ -109,6 +108,7 @@ class RemoteLoader:
         token: str | None = None,
         tls: bool | TLS | None = None,
     ) -> None:
+        connect.check_address(address)
         check_options(
             sharing=sharing,
             job=job,
@@ -123,7 +123,9 @@ class RemoteLoader:
         self.compression = compression_codec(compression)
         self.rank, self.world_size = membership(rank, world_size)
         self.sharing = sharing
-        self.job = job or ""
+        # The server's name for the job an empty one means, so that state_dict() says what the
+        # server's logs and metrics do.
+        self.job = job or state_module.DEFAULT_JOB
         self.address = address
         self.seed = seed
         self.device = resolve_device(device)
@@ -207,30 +209,28 @@ class RemoteLoader:
     def _data_connection_failed(self) -> None:
         self._no_data_connection = True
 
-    def _wait_ready(self, timeout: float) -> bool:
-        """Waits up to `timeout` s for the channel to connect; False if it did not."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            return False
-        return True
+    def _wait_ready(self, timeout: float, stopped: Callable[[], bool]) -> bool:
+        """Waits up to `timeout` s for the channel to connect; False if it did not, or if
+        `stopped()` turned true meanwhile."""
+        return connect.wait_ready(self._channel, timeout, stopped)
 
     def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
-        try:
-            return method(request, timeout=deadline, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ConnectionLostError(
-                    f"{what}: no answer from {self.address} within {deadline:g} s; "
-                    "is the server running and the address right? "
-                    + (
-                        "(this client speaks TLS: does the server, with this CA, and does it "
-                        "want a client certificate?)"
-                        if self.tls is not None
-                        else "(this client speaks plaintext: a TLS server needs tls=...)"
-                    )
-                ) from exc
-            raise map_rpc_error(exc, f"{what} at {self.address}") from exc
+        """A unary call, tried again after a refusal (NOTE [ Waiting for the server ])."""
+        hint = (
+            "(this client speaks TLS: does the server, with this CA, and does it want a client "
+            "certificate?)"
+            if self.tls is not None
+            else "(this client speaks plaintext: a TLS server needs tls=...)"
+        )
+        return connect.first_call(
+            lambda timeout: method(request, timeout=timeout, wait_for_ready=False),
+            what=what,
+            address=self.address,
+            connect_timeout=deadline,
+            retries=self.retries,
+            backoff=self.backoff,
+            hint=hint,
+        )
 
     def _only_loader(self, deadline: float) -> str:
         names = list(
