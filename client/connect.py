@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -34,12 +34,13 @@ from remote_loader.client.errors import (
 #   listening is seen within about 2 s.
 #
 # - Each stream (an epoch's first, and each resume of a broken one): the receiver waits for the
-#   channel to be READY, up to `connect_timeout`, through refusals: a stream that broke had a
-#   server a moment ago, and waiting is what lets a restarting server be resumed. Then the
-#   Stream call is made without wait_for_ready, so that it cannot wait for a connection with
-#   no deadline (a stream has none: it lasts an epoch). No connection in time counts as one
-#   break (client/receiver.py); after `retries` breaks in a row with no batch between, the
-#   training loop gets ConnectionLostError. Bound: stream_bound().
+#   server to answer a ListLoaders call made with wait_for_ready and `connect_timeout` as its
+#   deadline, so through refusals: a stream that broke had a server a moment ago, and waiting
+#   is what lets a restarting server be resumed. Then the Stream call is made without
+#   wait_for_ready, so that it cannot wait for a connection with no deadline (a stream has
+#   none: it lasts an epoch). No answer in time counts as one break (client/receiver.py);
+#   after `retries` breaks in a row with no batch between, the training loop gets
+#   ConnectionLostError. Bound: stream_bound().
 #
 # - A server at its max_streams refuses a stream with RESOURCE_EXHAUSTED naming the setting:
 #   a break like any other, retried with the same backoff, then ServerBusyError. A message over
@@ -164,25 +165,31 @@ def _check_port(address: str, port: str, host: str) -> None:
 
 
 def wait_ready(
-    channel: grpc.Channel, timeout: float, stopped: Callable[[], bool] = lambda: False
+    probe: Callable[[float], grpc.Future[Any]], timeout: float, stopped: Callable[[], bool]
 ) -> bool:
-    """Waits up to `timeout` s for `channel` to connect, through refusals; False if it did
-    not, or if `stopped()` turned true meanwhile (looked at every POLL_INTERVAL)."""
-    future = grpc.channel_ready_future(channel)
-    deadline = time.monotonic() + timeout
+    """Waits up to `timeout` s for the server to answer `probe(deadline)`, a unary call made
+    with wait_for_ready (so through refusals, under its deadline); False if it did not, or if
+    `stopped()` turned true meanwhile (looked at every POLL_INTERVAL). Any answer, even an
+    error status, is the server's: True.
+
+    A call rather than grpc.channel_ready_future: that subscribes to the channel's state, and
+    grpc's polling thread then raises in the background ("Channel closed!") when the loader
+    closes the channel soon after (it asks to connect once more after its subscriber left).
+    """
+    future = probe(timeout)
     try:
         while not stopped():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
             try:
-                future.result(timeout=min(remaining, POLL_INTERVAL))
-                return True
+                future.result(timeout=POLL_INTERVAL)
             except grpc.FutureTimeoutError:
                 continue
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                return code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+            return True
         return False
     finally:
-        future.cancel()  # unsubscribes from the channel's state; nothing if it is done
+        future.cancel()  # nothing if it is done
 
 
 def first_call(

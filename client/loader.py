@@ -210,9 +210,15 @@ class RemoteLoader:
         self._no_data_connection = True
 
     def _wait_ready(self, timeout: float, stopped: Callable[[], bool]) -> bool:
-        """Waits up to `timeout` s for the channel to connect; False if it did not, or if
+        """Waits up to `timeout` s for the server to answer; False if it did not, or if
         `stopped()` turned true meanwhile."""
-        return connect.wait_ready(self._channel, timeout, stopped)
+        return connect.wait_ready(
+            lambda deadline: self._list.future(
+                pb.ListLoadersRequest(), timeout=deadline, wait_for_ready=True
+            ),
+            timeout,
+            stopped,
+        )
 
     def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
         """A unary call, tried again after a refusal (NOTE [ Waiting for the server ])."""
