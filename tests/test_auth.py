@@ -308,7 +308,7 @@ def test_tls_round_trip(serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI) -
         with RemoteLoader(address, tls=TLS(ca=pki.ca)) as loader:
             assert indices(loader) == list(range(48))
     # A plaintext client cannot connect (the server speaks TLS only) and says so in time.
-    with pytest.raises(ConnectionLostError, match="cannot reach .*this client speaks plaintext"):
+    with pytest.raises(ConnectionLostError, match=r"cannot reach .*this client speaks plaintext"):
         RemoteLoader(served.address, connect_timeout=1.0, retries=1, backoff=0.1)
     # `remote-loader health` probes it with the CA, and fails cleanly without.
     result = _cli("health", served.address, "--tls-ca", str(pki.ca))
