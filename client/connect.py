@@ -23,15 +23,17 @@ from remote_loader.client.errors import (
 #
 # - The first connection (RemoteLoader(), ListLoaders and Describe): each attempt is the call
 #   itself, made without gRPC's wait_for_ready and with `connect_timeout` as its deadline. A
-#   connection refused (nothing listens, or the TLS handshake failed) or a server that is full
-#   or draining fails the attempt at once (UNAVAILABLE, RESOURCE_EXHAUSTED from its concurrency
-#   limit), and the next one follows after the backoff: `backoff`, doubling up to MAX_BACKOFF,
-#   `retries` times. A server that accepts the connection but does not answer within
-#   `connect_timeout` (a host dropping packets, a frozen server) ends it at once: waiting longer
-#   would not help. Bound: first_connect_bound().
-#   gRPC's own reconnection runs beside these attempts (every 0.1 s growing to 2 s: the
-#   loader's channel options), and an attempt sees its latest outcome: a server that starts
-#   listening is seen within about 2 s.
+#   connection refused (nothing listens, the TLS handshake failed), a handshake that stalls (a
+#   stopped process, a host dropping packets: gRPC gives one up after its reconnect backoff, at
+#   most about 2 s with the loader's channel options, which also set its connect deadline) or
+#   a server that is full or draining fails the attempt (UNAVAILABLE, RESOURCE_EXHAUSTED from
+#   its concurrency limit), and the next one follows after the backoff: `backoff`, doubling up
+#   to MAX_BACKOFF, `retries` times. A server whose connection is up but that does not answer
+#   the call within `connect_timeout` (DEADLINE_EXCEEDED) ends it at once: it is there, and
+#   another attempt would wait as long again. Bound: first_connect_bound(); with no server,
+#   the backoff total alone. gRPC's own reconnection runs beside these attempts (every 0.1 s
+#   growing to 2 s), and an attempt sees its latest outcome: a server that starts listening is
+#   seen within about 2 s.
 #
 # - Each stream (an epoch's first, and each resume of a broken one): the receiver waits for the
 #   server to answer a ListLoaders call made with wait_for_ready and `connect_timeout` as its
@@ -74,10 +76,10 @@ def backoff_total(backoff: float, retries: int) -> float:
 
 
 def first_connect_bound(connect_timeout: float, retries: int, backoff: float) -> float:
-    """The longest RemoteLoader() waits for a server before ConnectionLostError: the backoff
-    total, plus one `connect_timeout` for a server that accepts the connection and does not
-    answer (refused attempts take next to no time)."""
-    return backoff_total(backoff, retries) + connect_timeout
+    """The longest RemoteLoader() waits for a server before ConnectionLostError: `retries` + 1
+    attempts of at most `connect_timeout` each, and the backoff between them (a refused
+    attempt takes next to no time: with no server it is the backoff total)."""
+    return backoff_total(backoff, retries) + (retries + 1) * connect_timeout
 
 
 def stream_bound(connect_timeout: float, retries: int, backoff: float) -> float:

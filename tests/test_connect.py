@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
@@ -34,6 +36,14 @@ from tests.test_resume import free_port
 # How much later than its bound a wait may end on this loaded machine and still count as
 # bounded: the tests are for "it ends", not for its speed (pytest-timeout catches a hang).
 MARGIN = 20.0
+
+
+class Policy(TypedDict):
+    """A RemoteLoader's retry policy, as its keyword arguments."""
+
+    retries: int
+    backoff: float
+    connect_timeout: float
 
 
 # --- a server that dies and stays down -------------------------------------------------------
@@ -74,7 +84,7 @@ def test_a_server_killed_mid_epoch_ends_in_connection_lost_within_the_bound(
         "--num-workers",
         "2",
     )
-    policy = {"retries": 2, "backoff": 0.2, "connect_timeout": 2.0}
+    policy: Policy = {"retries": 2, "backoff": 0.2, "connect_timeout": 2.0}
     try:
         with RemoteLoader(address, device="cpu", transport=transport, prefetch=1, **policy) as rl:
             it = iter(rl)
@@ -100,14 +110,33 @@ def test_a_server_killed_mid_epoch_ends_in_connection_lost_within_the_bound(
 def test_no_server_fails_after_the_backoff_not_connect_timeout() -> None:
     # Refused at once, every attempt: the retries' backoff is all it costs, not a whole
     # connect_timeout (60 s here) per attempt.
-    policy = {"retries": 3, "backoff": 0.2}
+    policy: Policy = {"retries": 3, "backoff": 0.2, "connect_timeout": 60.0}
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(ConnectionLostError, match=r"cannot reach .* \(4 attempts in .*refused"):
-        RemoteLoader(address, connect_timeout=60.0, **policy)
+        RemoteLoader(address, **policy)
     seconds = time.monotonic() - started
-    backoff = connect.backoff_total(**policy)
+    backoff = connect.backoff_total(policy["backoff"], policy["retries"])
     assert backoff <= seconds < backoff + MARGIN, seconds
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_server_costs_at_most_connect_timeout_per_attempt() -> None:
+    # SIGSTOP: the kernel still takes the connection, nothing answers on it.
+    proc, address = serve_process("--dataset", "tests.datasets:Squares", "--batch-size", "4")
+    policy: Policy = {"retries": 2, "backoff": 0.2, "connect_timeout": 2.0}
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConnectionLostError, match=address):
+            RemoteLoader(address, **policy)
+        seconds = time.monotonic() - started
+        assert seconds < connect.first_connect_bound(**policy) + MARGIN, seconds
+    finally:
+        # Killed, not stopped: after SIGSTOP and SIGCONT the server does not always exit on
+        # SIGTERM (a server matter, not this test's).
+        os.kill(proc.pid, signal.SIGCONT)
+        _kill(proc)
 
 
 # --- a full server ---------------------------------------------------------------------------
