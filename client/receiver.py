@@ -230,7 +230,7 @@ class Receiver(threading.Thread):
                 return None
             raise _Broken(
                 ConnectionLostError(
-                    f"{self._what}: no connection to the server within connect_timeout="
+                    f"{self._what}: the server did not answer within connect_timeout="
                     f"{self._connect_timeout:g} s"
                 )
             )
