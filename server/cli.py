@@ -16,16 +16,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from remote_loader.server.datasets import DEMO_DATASET, demo_spec
 from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import (
     ConfigError,
+    LoaderSpec,
     add_spec_arguments,
     read_config,
     spec_from_args,
 )
+
+if TYPE_CHECKING:
+    from remote_loader.server.host import LoaderHost
 
 DEFAULTS = ServerSettings()
 
@@ -221,14 +225,11 @@ def _check_config(path: str) -> int:
         ctx = multiprocessing.get_context("forkserver")
         for name, spec in specs.items():
             host = LoaderHost(spec, ctx)
-            try:
-                length = f"{len(host)} batches/epoch"
-            except TypeError:
-                length = "length unknown (IterableDataset)"
             print(
                 f"{name}: {spec.dataset}, {host.dataset_kind} dataset, batch_size "
-                f"{spec.batch_size}, {length}, num_workers {spec.num_workers}, "
-                f"sharing {', '.join(spec.sharing)}, fingerprint {spec.fingerprint()}"
+                f"{spec.batch_size}, {_length_text(host)}, {_workers_text(spec)}, "
+                f"{_pool_text(spec, settings.ray_address)}, sharing {', '.join(spec.sharing)}, "
+                f"fingerprint {spec.fingerprint()}"
             )
     except ConfigError as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
@@ -239,6 +240,34 @@ def _check_config(path: str) -> int:
         return 2
     print(f"{path}: {len(specs)} loader(s), all valid")
     return 0
+
+
+def _length_text(host: LoaderHost) -> str:
+    """Batches per epoch, or why they are unknown (LoaderHost refused a map-style dataset
+    whose __len__ raises, so here an unknown length is an unsized IterableDataset's, or a
+    sampler's that has no __len__)."""
+    try:
+        return f"{len(host)} batches/epoch"
+    except TypeError as exc:
+        if host.batching.is_iterable:
+            return "length unknown (IterableDataset without __len__)"
+        return f"length unknown (map-style, but {exc})"
+
+
+def _workers_text(spec: LoaderSpec) -> str:
+    """num_workers as configured: "auto" is not the one worker the pool starts with."""
+    if spec.autotune:
+        return f"num_workers auto (1 to max_workers {spec.max_workers})"
+    return f"num_workers {spec.num_workers}"
+
+
+def _pool_text(spec: LoaderSpec, ray_address: str | None) -> str:
+    if spec.num_workers == 0:
+        return f"pool {spec.pool} (no workers: loads in the server process)"
+    if spec.pool == "ray":
+        where = f"ray_address {ray_address}" if ray_address else "a local Ray instance"
+        return f"pool ray ({where}, ray_num_cpus {spec.ray_num_cpus:g})"
+    return f"pool {spec.pool}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,9 @@ def test_check_config(tmp_path: Path) -> None:
     assert "train: tests.datasets:Squares, map dataset, batch_size 8, 7 batches/epoch" in (
         result.stdout
     )
-    assert "stream: tests.datasets:Sharded, iterable dataset" in result.stdout
+    assert "stream: tests.datasets:Sharded, iterable dataset, batch_size 2, length unknown " in (
+        result.stdout
+    )
     assert "2 loader(s), all valid" in result.stdout
 
     conflict = tmp_path / "conflict.toml"
@@ -135,6 +137,57 @@ def test_check_config(tmp_path: Path) -> None:
     result = _cli("check-config", str(bad_import))
     assert result.returncode == 2
     assert "module 'tests.datasets' has no attribute 'Nope'" in result.stderr
+
+
+def test_check_config_shows_workers_and_pool_as_configured(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[server]\nray_address = "127.0.0.1:6379"\n'
+        '[loaders.auto]\ndataset = "tests.datasets:Squares"\nnum_workers = "auto"\n'
+        'seeding = "per_batch"\nmax_workers = 3\n'
+        '[loaders.ray]\ndataset = "tests.datasets:Squares"\nnum_workers = 2\npool = "ray"\n'
+        '[loaders.inline]\ndataset = "tests.datasets:Sharded"\n'
+    )
+    result = _cli("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "num_workers auto (1 to max_workers 3), pool local," in result.stdout
+    assert "num_workers 2, pool ray (ray_address 127.0.0.1:6379, ray_num_cpus 1)," in (
+        result.stdout
+    )
+    assert "length unknown (IterableDataset without __len__), num_workers 0, pool local (no " in (
+        result.stdout
+    )
+
+
+# Runs the CLI in a Python where `import ray` fails, as where Ray is not installed: a None in
+# sys.modules makes the import raise ImportError (not a stub: the real import machinery).
+WITHOUT_RAY = (
+    "import sys; sys.modules['ray'] = None; "
+    "from remote_loader.server.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def test_ray_pool_without_ray_is_refused_with_the_install_command(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[loaders.a]\ndataset = "tests.datasets:Squares"\nnum_workers = 1\npool = "ray"\n'
+    )
+    install = 'pip install "ray>=2.40,<3" (or, in a clone of the repository, pip install ".[ray]")'
+    for command in (
+        ["check-config", str(config)],
+        ["serve", "--address", "127.0.0.1:0", "--config", str(config)],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", WITHOUT_RAY, *command],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=subprocess_env(),
+        )
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert "loader 'a' has pool = \"ray\", but Ray cannot be imported here" in result.stderr
+        assert install in result.stderr
+        assert "serving" not in result.stdout
 
 
 def test_health_command() -> None:

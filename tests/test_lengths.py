@@ -23,9 +23,7 @@ BROKEN_LEN = (
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*args], capture_output=True, text=True, timeout=90, env=subprocess_env()
-    )
+    return subprocess.run([*args], capture_output=True, text=True, timeout=90, env=subprocess_env())
 
 
 def _config(tmp_path: Path, body: str) -> str:
