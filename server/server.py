@@ -31,6 +31,7 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.auth import TokenInterceptor
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.listen import check_address_free
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
 from remote_loader.server.settings import ServerSettings
@@ -68,6 +69,9 @@ class Server:
         refuse_while_bootstrapping()
         self.settings = settings if settings is not None else ServerSettings()
         specs = _by_name(loaders)
+        # Before the loaders are built (datasets, persistent workers): a port in use is the
+        # cheapest error to find. create_server checks again, right before gRPC binds.
+        check_address_free(self.settings.address)
         self.hosts = build_hosts(
             specs,
             max_batch_bytes=self.settings.max_batch_bytes,
@@ -396,6 +400,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         grpc_reflection.enable_server_reflection(
             (wire.SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), server
         )
+    check_address_free(address)
     try:
         if tls is not None:
             port = server.add_secure_port(address, tls.credentials())

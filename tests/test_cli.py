@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -188,6 +189,36 @@ def test_ray_pool_without_ray_is_refused_with_the_install_command(tmp_path: Path
         assert "loader 'a' has pool = \"ray\", but Ray cannot be imported here" in result.stderr
         assert install in result.stderr
         assert "serving" not in result.stdout
+
+
+def test_serve_on_a_port_in_use_says_so_in_its_own_words() -> None:
+    # Another server listens on the port (with SO_REUSEADDR, as servers do).
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "remote_loader.server.cli",
+                "serve",
+                "--address",
+                f"127.0.0.1:{port}",
+                *SQUARES_FLAGS,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=subprocess_env(),
+        )
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == (
+        f"remote-loader: error: cannot listen on 127.0.0.1:{port}: port {port} is already in "
+        f"use (`ss -ltnp 'sport = :{port}'` shows by what): stop that process, or choose "
+        "another port (port 0 picks a free one)"
+    )  # gRPC's add_port.cc line and GRPC_VERBOSITY hint are not printed before it
 
 
 def test_health_command() -> None:
