@@ -43,8 +43,9 @@ def check_address_free(address: str) -> None:
     assert first is not None  # getaddrinfo returns at least one address or raises
     if first.errno == errno.EADDRINUSE:
         why = (
-            f"port {port} is already in use (`ss -ltnp 'sport = :{port}'` shows by what): "
-            "stop that process, or choose another port (port 0 picks a free one)"
+            f"port {port} is already in use (is another server using it? `ss -ltnp "
+            f"'sport = :{port}'` shows which process): stop it, or choose another port (port 0 "
+            "picks a free one)"
         )
     elif first.errno == errno.EACCES:
         why = f"no permission to use port {port} (ports below 1024 need CAP_NET_BIND_SERVICE)"

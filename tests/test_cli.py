@@ -248,8 +248,8 @@ def test_serve_on_a_port_in_use_says_so_in_its_own_words() -> None:
     assert result.returncode == 2, result.stdout
     assert result.stderr.strip() == (
         f"remote-loader: error: cannot listen on 127.0.0.1:{port}: port {port} is already in "
-        f"use (`ss -ltnp 'sport = :{port}'` shows by what): stop that process, or choose "
-        "another port (port 0 picks a free one)"
+        f"use (is another server using it? `ss -ltnp 'sport = :{port}'` shows which process): "
+        "stop it, or choose another port (port 0 picks a free one)"
     )  # gRPC's add_port.cc line and GRPC_VERBOSITY hint are not printed before it
 
 
