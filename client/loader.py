@@ -281,10 +281,14 @@ class RemoteLoader:
                 "receives depends on how fast the job's other consumers take theirs"
             )
         if not self.info.has_length:
-            raise TypeError(
-                f"loader {self.name!r} has no len(): its dataset is an "
-                "IterableDataset without __len__"
+            # The server refuses a map-style dataset whose __len__ raises: a map-style loader
+            # without a length has a sampler (or batch_sampler) without one.
+            why = (
+                "its dataset is an IterableDataset without __len__"
+                if self.info.dataset_kind == "iterable"
+                else "its dataset is map-style, but its sampler or batch_sampler has no __len__"
             )
+            raise TypeError(f"loader {self.name!r} has no len(): {why}")
         return int(self.info.length)
 
     def __iter__(self) -> EpochIterator:

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from remote_loader.protos.compression import Compressor, compressor_for
-from remote_loader.server.backends import Pool, make_pool
+from remote_loader.server.backends import Pool, make_pool, require_backend
 from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
@@ -122,6 +124,36 @@ class InlineEngine:
         self.outstanding = 0
 
 
+def check_length(spec: LoaderSpec, dataset: Any) -> None:
+    """Raises ConfigError when a map-style `dataset` cannot give the length an epoch needs.
+
+    A map-style epoch is sampled from len(dataset) (torch's default samplers; most custom ones
+    too), so a `__len__` that raises would fail every stream at batch 0, and len(loader) would
+    look like an IterableDataset's. Without `__len__` at all, only a named sampler or
+    batch_sampler can sample it. An IterableDataset's `__len__` is optional, and TypeError from
+    it means "unsized" (torchdata's IterDataPipe), so it is left to torch.
+    """
+    if isinstance(dataset, IterableDataset):
+        return
+    kind = f"map-style dataset {type(dataset).__qualname__}"
+    if not hasattr(type(dataset), "__len__"):
+        if spec.sampler is None and spec.batch_sampler is None:
+            raise ConfigError(
+                f"loader {spec.name!r}: its {kind} has no __len__, and torch's default "
+                "sampler needs it to sample an epoch: define __len__, or name a sampler or "
+                "batch_sampler that does not need it"
+            )
+        return
+    try:
+        len(dataset)
+    except Exception as exc:
+        raise ConfigError(
+            f"loader {spec.name!r}: its {kind} has __len__, but len(dataset) raised "
+            f"{type(exc).__name__}: {exc}; an epoch of a map-style dataset is sampled from its "
+            "length, so no stream could start: fix __len__"
+        ) from exc
+
+
 class LoaderHost:
     """A named loader on the server.
 
@@ -144,7 +176,9 @@ class LoaderHost:
         # What this loader served and where its batches waited; a server's MetricsServer
         # shows it (server/metrics.py).
         self.metrics = LoaderMetrics(spec.name)
+        require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
         self.dataset = build_dataset(spec)
+        check_length(spec, self.dataset)  # before torch's RandomSampler calls len() itself
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
         if spec.autotune and self.batching.is_iterable:

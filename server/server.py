@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,7 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.auth import TokenInterceptor
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.listen import check_address_free
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
 from remote_loader.server.settings import ServerSettings
@@ -64,8 +66,12 @@ class Server:
         settings: ServerSettings | None,
         loaders: Iterable[LoaderSpec] | Mapping[str, LoaderSpec],
     ) -> None:
+        refuse_while_bootstrapping()
         self.settings = settings if settings is not None else ServerSettings()
         specs = _by_name(loaders)
+        # Before the loaders are built (datasets, persistent workers): a port in use is the
+        # cheapest error to find. create_server checks again, right before gRPC binds.
+        check_address_free(self.settings.address)
         self.hosts = build_hosts(
             specs,
             max_batch_bytes=self.settings.max_batch_bytes,
@@ -201,11 +207,59 @@ def worker_context() -> multiprocessing.context.BaseContext:
     warmup = ctx.Process(target=_noop, name="remote-loader-warmup")
     warmup.start()
     warmup.join()
+    if warmup.exitcode != 0:
+        # _noop cannot fail: the process died while it bootstrapped, i.e. while it imported
+        # the main module again. See NOTE [ Main module guard ].
+        raise RuntimeError(
+            f"the server's worker processes cannot start: one exited with code "
+            f"{warmup.exitcode} before it ran anything. {_guard_advice()}"
+        )
     return ctx
 
 
 def _noop() -> None:
     pass
+
+
+# NOTE [ Main module guard ]
+#
+# Workers are started by multiprocessing's forkserver (see worker_context), and every process
+# it starts first imports the parent's main module again, as `__mp_main__`, so that what the
+# script defines can be unpickled there. A script that builds a Server at its top level, with
+# no `if __name__ == "__main__":` guard, builds one again in each of them, while that process
+# is still bootstrapping: multiprocessing refuses to start a process then ("An attempt has
+# been made to start a new process before the current process has finished its bootstrapping
+# phase"), the child exits 1, and the pool would see its workers die at start, 7 times in a
+# row. Two checks name the guard instead:
+#
+#   child:  Server() while current_process()._inheriting (set by multiprocessing.spawn for
+#           exactly that import)  -> RuntimeError naming the guard, on the child's stderr
+#   parent: worker_context's warm-up process (a no-op) exits non-zero -> it died importing the
+#           main module -> RuntimeError naming the guard, raised by Server()
+
+
+def _guard_advice() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    script = f" ({path})" if path else ""
+    return (
+        f"Each worker process imports the main module{script} again, as multiprocessing's "
+        "forkserver and spawn start methods do, and that import failed there: a script that "
+        'builds a Server must do so under `if __name__ == "__main__":` (NOTE [ Main module '
+        "guard ] in remote_loader.server.server); the worker's own error is above."
+    )
+
+
+def refuse_while_bootstrapping() -> None:
+    """Raises RuntimeError naming the `if __name__ == "__main__":` guard when called while this
+    process, a child of multiprocessing, imports its parent's main module (NOTE [ Main
+    module guard ])."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "a Server is being built while a worker process imports the main module again "
+            "(multiprocessing's bootstrapping phase), which would start a server in every "
+            'worker: build it under `if __name__ == "__main__":` in your script'
+        )
 
 
 def build_hosts(
@@ -346,6 +400,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         grpc_reflection.enable_server_reflection(
             (wire.SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), server
         )
+    check_address_free(address)
     try:
         if tls is not None:
             port = server.add_secure_port(address, tls.credentials())
