@@ -11,7 +11,8 @@ the last batches still in the kernel's buffers). For `--epochs` epochs it counts
   TcpExtTCPAbortOnClose (a socket closed with data unread), each answered with a reset, in the
   server's namespace during the epochs (the root namespace's, where the client runs, are
   printed too, but other processes on the machine add to them);
-- resumes: the client's `stats().reconnects` (a data connection that broke mid-batch);
+- resumes: the client's `stats().reconnects` (a data connection that broke mid-batch), summed
+  over the epochs (each epoch counts its own);
 - batches made twice: the batches the server's "stream end" log lines count, less the epochs'
   batches (a resumed stream sends again what was lost);
 - exactness: every batch equal to the dataset's, in order.
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             ) as loader:
                 sum(1 for _ in loader)  # warm-up: workers, connections
                 before, root_before = aborts(server_ns), aborts(None)
-                resumes_before = loader.stats().reconnects
+                resumes = 0
                 started = time.monotonic()
                 resets_per_epoch = []
                 inexact = 0
@@ -110,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(args.step_ms / 1000)
                     inexact += int(got != args.batches)
                     resets_per_epoch.append(aborts(server_ns) - at)
+                    resumes += loader.stats().reconnects
                     if loader.last_transport != "tcp":
                         raise SystemExit(f"the batches came by {loader.last_transport}, not tcp")
                 elapsed = time.monotonic() - started
                 resets, root_resets = aborts(server_ns) - before, aborts(None) - root_before
-                resumes = loader.stats().reconnects - resumes_before
         finally:
             log = served.log.read_text(errors="replace") if served.log is not None else ""
             served.stop()
