@@ -144,6 +144,8 @@ STRIPE_ALIGN = 64 << 10
 
 
 BEAT = b"\x00"
+# The most a TLS data connection's send hands OpenSSL at once (NOTE [ TLS data connection ]).
+TLS_WRITE = 1 << 20
 # Data connections whose stream ended, held by the listener until their client closes them
 # (NOTE [ End of a stream ]); past this, the oldest is closed.
 MAX_CLOSING = 256
@@ -270,14 +272,41 @@ def target_host(target: str) -> str | None:
     return host or None
 
 
-def connect(host: str, port: int, ticket: bytes, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
+def connect(
+    host: str,
+    port: int,
+    ticket: bytes,
+    timeout: float = CONNECT_TIMEOUT,
+    *,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> socket.socket:
     """A data connection to `host:port`, handshaken within `timeout` s in all; raises
-    DataConnectionError."""
+    DataConnectionError. With `tls`, TLS first (NOTE [ TLS data connection ]), the server's
+    certificate checked for `server_name` (None: `host`)."""
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise DataConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
+    if tls is not None:
+        try:
+            tune(sock)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock = tls.wrap_socket(sock, server_hostname=server_name or host)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise DataConnectionError(
+                f"the TLS data connection to {host}:{port} failed the certificate check: "
+                f"{exc.verify_message or exc} (it trusts the CA and checks the server_name that "
+                "the gRPC channel does: TLS(ca=..., server_name=...))"
+            ) from exc
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise DataConnectionError(
+                f"no TLS handshake with {host}:{port}: {exc} (does that port speak TLS? a "
+                "proxy that ends TLS in front of the server offers no data connection)"
+            ) from exc
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         tune(sock)
@@ -309,10 +338,13 @@ def send(
     """
     view = as_bytes(data)
     sent, total = 0, len(view)
+    # TLS writes all it is given or nothing, and a timeout mid-write leaves the rest pending in
+    # OpenSSL, to be written by the same call again: in pieces, so that progress shows.
+    piece = TLS_WRITE if isinstance(sock, ssl.SSLSocket) else total
     heard = time.monotonic()
     while sent < total:
         try:
-            sent += sock.send(view[sent:])
+            sent += sock.send(view[sent : sent + piece])
             heard = time.monotonic()
         except TimeoutError:
             # sendall would not say how much went before a timeout; send() does, per call.

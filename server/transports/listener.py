@@ -147,6 +147,9 @@ class DataListener:
         self._thread.join(timeout=5)
         with self._lock:
             for waiting in self._waiting.values():
+                if waiting.sock is not None:  # arrived, but its stream never took it
+                    waiting.sock.close()
+                    waiting.sock = None
                 waiting.arrived.set()  # with no socket: the stream goes on as Frames
             self._waiting.clear()
 
