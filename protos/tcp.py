@@ -43,11 +43,13 @@ sends no data_connections (0: one), an old server announces no more_tickets.
 Why a ticket and not the token: the ticket reaches the client only inside the Stream call, which
 passed the token check (server/auth.py), so a data connection is as authorized as its stream;
 it is random, used once and forgotten when its stream stops waiting for it (ACCEPT_TIMEOUT).
-The socket is plaintext: a server with TLS does not offer it (its batches stay inside TLS).
+On a TLS server the connections speak TLS (NOTE [ TLS data connection ]).
 
 Falling back, losing and repeating nothing: a client that cannot make every connection
 (another network, a firewall, a proxy in between) closes those it made, cancels the call and
-opens a new one from the same batch with `tcp` off, so the server stops waiting at once. A
+opens a new one from the same batch with `tcp` off, so the server stops waiting at once; under
+transport="tcp" it raises TransportError instead (never gRPC behind the caller's back), as it
+does when a batch Frame arrives in-band on a stream that asked for data connections. A
 server that got only some of them by ACCEPT_TIMEOUT closes those and sends Frames, as when none
 came. Any one socket that breaks mid-stream is a broken stream: every stripe reader and writer
 of that batch stops (each checks its stream's `stopped()` and its batch's failure at least
@@ -69,6 +71,26 @@ busy). A server whose send on a connection has made no progress reads that conne
 for `client_silence` seconds on it means the client is frozen or its host hung, and the stream
 ends (SilentClientError) instead of waiting on it for good. gRPC's own keepalive let such a
 client go only after ~60 s, measured, whatever keepalive_time_ms said.
+
+NOTE [ TLS data connection ]
+
+A server with TLS wraps every data connection in TLS (Python's ssl) with what its gRPC port
+uses: the certificate chain and key, and with a client CA, mutual TLS (server/auth.py builds
+the context beside grpc's credentials; at least TLS 1.2, no renegotiation, no session tickets).
+The listener's thread runs the TLS handshake before HELLO, non-blocking like the rest, within
+the same HANDSHAKE_TIMEOUT. A client with `tls` wraps with its channel's CA (else the system's),
+client certificate and server_name (else the host it dials): the same trust as gRPC, so a
+client that reaches gRPC reaches these, and a failed check says so (DataConnectionError, then
+TransportUnusable or TransportError). The ticket still comes inside the authenticated stream.
+
+Bytes: the client reads each stripe with recv_into straight into its buffer (OpenSSL decrypts
+in place of the kernel's copy, a record of at most 16 KiB per call); the server hands OpenSSL at
+most TLS_WRITE per send, because a TLS write is all or nothing and one that times out (the
+POLL_INTERVAL wake-ups) must be repeated with the same bytes, which the send loop does. After
+HELLO the server never decrypts what the client sends: heartbeats (TLS records) are read as raw
+bytes (`drain`), a sign of life only, so no read can disturb a write pending in OpenSSL; the
+end of a stream half-closes the TCP socket under TLS (no close_notify: every batch's length is
+known from its Frame, so a cut-off batch shows as one).
 
 NOTE [ End of a stream ]
 
