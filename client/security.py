@@ -68,6 +68,7 @@ class TLS:
         """The ssl context of this client's data connections: the gRPC channel's trust (`ca`,
         else the system's CAs) and client certificate, the server's name checked (NOTE [ TLS
         data connection ] in protos/tcp.py). ValueError for files ssl cannot use."""
+        self.read()  # a file that cannot be read or is not PEM: read()'s message, as for gRPC
         try:
             context = ssl.create_default_context(
                 cafile=None if self.ca is None else os.fspath(self.ca)
