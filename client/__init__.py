@@ -11,6 +11,7 @@ from remote_loader.client.errors import (
     RemoteLoaderError,
     RequestError,
     ServerError,
+    TransportError,
 )
 from remote_loader.client.loader import RemoteLoader
 from remote_loader.client.security import TLS
@@ -28,4 +29,5 @@ __all__ = [
     "RemoteLoaderError",
     "RequestError",
     "ServerError",
+    "TransportError",
 ]

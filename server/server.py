@@ -341,7 +341,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     tls = settings.server_tls()
     token = settings.auth_token()
     address = settings.address
-    listen_data = resolve_data_address(settings.data_address, address, tls is not None)
+    listen_data = resolve_data_address(settings.data_address, address)
     service = LoaderService(
         hosts,
         settings.chunk_size,
@@ -421,7 +421,11 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         metrics = MetricsServer(settings.metrics_address, [host.metrics for host in hosts.values()])
     if listen_data is not None:
         try:
-            service.listener = DataListener(listen_data)
+            # With TLS, the data connections speak it too (NOTE [ TLS data connection ]).
+            data_tls = None if tls is None else tls.data_context
+            if tls is not None and data_tls is None:
+                raise ValueError("TLS material without its data connections' ssl context")
+            service.listener = DataListener(listen_data, data_tls)
         except OSError:
             if metrics is not None:
                 metrics.close()
@@ -429,21 +433,14 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     return LoaderServer(server, port, service, health_servicer, metrics)
 
 
-def resolve_data_address(data_address: str, address: str, tls: bool) -> str | None:
+def resolve_data_address(data_address: str, address: str) -> str | None:
     """HOST:PORT for the data listener, or None for none: "auto" is `address`'s host on a free
-    port (none with TLS: the connection is plaintext), "off" (or "") none."""
+    port, "off" (or "") none. On a TLS server the data connections speak TLS too."""
     if data_address in ("", "off"):
         return None
     if data_address == "auto":
-        if tls:
-            return None  # the batches stay inside TLS, over gRPC
         host, _, _ = address.rpartition(":")
         return f"{host}:0"
-    if tls:
-        raise ValueError(
-            f"data_address {data_address} is plaintext, and this server serves TLS: leave "
-            'data_address "auto" (no data connections with TLS) or set it "off"'
-        )
     return data_address
 
 

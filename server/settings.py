@@ -53,8 +53,9 @@ class ServerSettings:
     # false: every same-host batch is copied into the stream's ring.
     zero_copy: bool = True
     # Where clients on other hosts open their data connections (NOTE [ TCP data connection ] in
-    # protos/tcp.py): "auto", the address's host on a free port (no data connections with TLS);
-    # HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside gRPC.
+    # protos/tcp.py; over TLS when the server serves TLS): "auto", the address's host on a free
+    # port; HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside
+    # gRPC.
     data_address: str = "auto"
     # Largest request message in bytes (grpc.max_receive_message_length).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -165,12 +166,6 @@ class ServerSettings:
             )
         if self.token is not None:
             check_token(self.token, f"environment variable {ENV_PREFIX}TOKEN")
-        if self.data_address not in ("auto", "off") and self.tls_cert is not None:
-            raise ConfigError(
-                f"server data_address {self.data_address} would carry batches in plaintext "
-                'beside a TLS server: leave data_address "auto" (no data connections with '
-                'TLS) or set it "off"'
-            )
         self.auth_token()
         self.server_tls()
 

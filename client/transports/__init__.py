@@ -15,10 +15,12 @@ receiver reads Frames and knows none of them. The server's side is remote_loader
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import ssl
 from collections.abc import Callable, Iterator
 
-from remote_loader.client.errors import ProtocolError
+from remote_loader.client.errors import ProtocolError, TransportError
 from remote_loader.client.transports.base import BatchReused, End, InbandEnd, TransportUnusable
 from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
@@ -53,7 +55,9 @@ class Transports:
     tcp.DEFAULT_DATA_CONNECTIONS; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
     mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
     owner stops asking in later epochs (a firewall that drops the connection would cost every
-    epoch tcp.CONNECT_TIMEOUT).
+    epoch tcp.CONNECT_TIMEOUT). `tcp_tls`, `tcp_server_name`: a TLS client's context for its
+    data connections and the name its server's certificate carries; `tcp_required`:
+    transport="tcp", which never goes on inside gRPC (TransportError instead).
     """
 
     def __init__(
@@ -65,11 +69,15 @@ class Transports:
         data_connections: int | None = None,
         on_tcp_failed: Callable[[], None] = lambda: None,
         slot_maps: slot_protocol.SlotMaps | None = None,
+        tcp_tls: ssl.SSLContext | None = None,
+        tcp_server_name: str | None = None,
+        tcp_required: bool = False,
     ) -> None:
         self._what = what
         self._use_shm = use_shm and shm_protocol.available()
         self._tcp_host = tcp_host
         self._data_connections = data_connections
+        self._tcp_options = TcpOptions(tcp_tls, tcp_server_name, tcp_required)
         self._on_tcp_failed = on_tcp_failed
         # Workers' slots mapped by the streams (NOTE [ Zero-copy slots ]); the loader's, so that
         # every epoch reads the same pool's slots through the same maps.
@@ -84,6 +92,7 @@ class Transports:
             stopped,
             self._slot_maps,
             self._data_connections,
+            self._tcp_options,
         )
 
     def give_up(self, unusable: TransportUnusable) -> None:
@@ -105,6 +114,15 @@ class Transports:
             return None
 
 
+@dataclasses.dataclass(frozen=True)
+class TcpOptions:
+    """How a client makes its data connections, beyond where to (Transports' tcp_* args)."""
+
+    tls: ssl.SSLContext | None = None
+    server_name: str | None = None
+    required: bool = False
+
+
 class StreamEnds:
     """One stream's receiving ends: what its request offers, and which end carries each
     batch Frame. Owns what the ends open (a probe, a ring, sockets) until `close()`."""
@@ -117,11 +135,21 @@ class StreamEnds:
         stopped: Callable[[], bool],
         slot_maps: slot_protocol.SlotMaps | None = None,
         data_connections: int | None = None,
+        tcp_options: TcpOptions | None = None,
     ) -> None:
         self._what = what
         self._inband = InbandEnd()
         self._shm = ShmEnd(what, probe, slot_maps)
-        self._tcp = TcpEnd(what, tcp_host, stopped, data_connections)
+        options = tcp_options or TcpOptions()
+        self._tcp = TcpEnd(
+            what,
+            tcp_host,
+            stopped,
+            data_connections,
+            tls=options.tls,
+            server_name=options.server_name,
+            required=options.required and tcp_host is not None,
+        )
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
         self._following: Following | None = None
 
@@ -181,6 +209,13 @@ class StreamEnds:
             return self._shm
         if meta.on_tcp:
             return self._tcp
+        if self._tcp.required and not self._tcp.connected:
+            raise TransportError(
+                f'{self._what}: transport="tcp", but the server sends batch {meta.batch} inside '
+                'the gRPC stream: it offers no data connection (its data_address is "off", '
+                "or it is a version without them) or did not get them all in time; "
+                'transport="auto" would go on inside gRPC'
+            )
         return self._inband
 
     def beat(self) -> None:
