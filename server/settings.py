@@ -36,14 +36,16 @@ class ServerSettings:
     # HOST:PORT to listen on; port 0 picks a free one.
     address: str = "0.0.0.0:50051"
     # Streams served at once; one more is refused with RESOURCE_EXHAUSTED, unless a stream
-    # whose client has taken nothing for idle_stream_timeout seconds gives it its place (it
-    # ends with ABORTED; NOTE [ Idle streams ] in server/admission.py). 0: no stream gives way.
+    # whose client has taken nothing for idle_stream_timeout seconds gives it its place.
     max_streams: int = 32
-    idle_stream_timeout: float = DEFAULT_IDLE_STREAM_TIMEOUT
     # Largest frame payload in bytes (see protos/wire.py for why 4 MiB).
     chunk_size: int = wire.DEFAULT_CHUNK_SIZE
     # On SIGTERM, seconds running streams get to finish.
     grace: float = 5.0
+    # Seconds a stream's client may leave its batches untaken before the stream gives its
+    # place to one arriving at a full server (it ends with ABORTED, and a RemoteLoader resumes;
+    # NOTE [ Idle streams ] in server/admission.py). 0: no stream gives way.
+    idle_stream_timeout: float = DEFAULT_IDLE_STREAM_TIMEOUT
     log_level: str = "INFO"
     # HOST:PORT of the Prometheus metrics endpoint (server/metrics.py); empty: no endpoint.
     metrics_address: str = ""
