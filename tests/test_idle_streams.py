@@ -15,7 +15,8 @@ import pytest
 from remote_loader.client import RemoteLoader, ServerError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.settings import ServerSettings, resolve_settings
+from remote_loader.server.spec import ConfigError, LoaderSpec
 from tests.conftest import ServeLoaders, wait_until
 
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
@@ -159,3 +160,11 @@ def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
         rest = list(it)
     assert [b["index"].item() for b in [first, *rest]] == list(range(64))
     assert [end["loader"] for end in _aborted(caplog)] == ["blobs"]
+
+
+def test_idle_stream_timeout_is_a_setting_of_seconds() -> None:
+    env = {"REMOTE_LOADER_IDLE_STREAM_TIMEOUT": "2.5"}
+    assert resolve_settings({"idle_stream_timeout": 5}, env).idle_stream_timeout == 2.5
+    assert resolve_settings({"idle_stream_timeout": 0}, {}).idle_stream_timeout == 0
+    with pytest.raises(ConfigError, match=r"idle_stream_timeout must be >= 0 seconds .*got -1"):
+        ServerSettings(idle_stream_timeout=-1)
