@@ -116,6 +116,12 @@ class Admission:
         self._changed = threading.Condition()
         self._slots: list[StreamSlot] = []  # the streams holding a place: the counted ones
 
+    @property
+    def running(self) -> int:
+        """The streams holding a place now."""
+        with self._changed:
+            return len(self._slots)
+
     def admit(self, context: grpc.ServicerContext) -> StreamSlot | None:
         """A place for a new stream, taken from an idle stream if the server is full and one
         has been idle long enough; None: the server is full."""

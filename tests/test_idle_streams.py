@@ -44,14 +44,15 @@ def _raw_streams(address: str, count: int) -> tuple[grpc.Channel, list[Any], int
         request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.Frame.FromString,
     )
-    admitted, refused = [], 0
+    admitted: list[Any] = []
+    refused = 0
     for _ in range(count):
-        call = stream(pb.StreamRequest(loader="blobs"), timeout=10 * BUSY_MACHINE)
+        call: Any = stream(pb.StreamRequest(loader="blobs"), timeout=10 * BUSY_MACHINE)
         try:
             next(call)
             admitted.append(call)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc  # type: ignore[attr-defined]
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
             refused += 1
     return channel, admitted, refused
 
@@ -103,7 +104,7 @@ def test_streams_that_read_nothing_give_their_places_to_a_trainer(
         # The stuck streams that gave their places (one for the trainer, and any a late raw
         # client took) end with a status saying why: their clients get the messages they had
         # buffered, then ABORTED. (Stream numbers count the admitted streams, in order.)
-        assert wait_until(lambda: _aborted(caplog), BUSY_MACHINE)
+        assert wait_until(lambda: bool(_aborted(caplog)), BUSY_MACHINE)
         aborted = _aborted(caplog)
         assert {end["loader"] for end in aborted} == {"blobs"}
         assert all(end["outcome"] == "error" for end in aborted)
@@ -111,8 +112,8 @@ def test_streams_that_read_nothing_give_their_places_to_a_trainer(
             with pytest.raises(grpc.RpcError) as info:
                 for _ in stuck[int(end["stream"]) - 1]:
                     pass
-            assert info.value.code() == grpc.StatusCode.ABORTED  # type: ignore[attr-defined]
-            details = info.value.details() or ""  # type: ignore[attr-defined]
+            assert info.value.code() == grpc.StatusCode.ABORTED
+            details = info.value.details() or ""
             assert re.search(r"no batch read for \d+ s while another stream waited", details)
             assert "idle_stream_timeout=1 s" in details
         # Only places that someone needed were given up: three stuck streams still hold theirs,

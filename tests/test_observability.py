@@ -142,7 +142,7 @@ def test_a_dataset_error_is_logged_once_and_counted_on_each_stream_end_line(
         thread.start()
     for thread in threads:
         thread.join(50)
-    expected = [[2 * i, 2 * i + 1] for i in range(10)]
+    expected: list[Any] = [[2 * i, 2 * i + 1] for i in range(10)]
     expected[3] = 3  # samples 6 and 7: the error at batch 3
     assert got == {0: expected, 1: expected}
     assert served.server.service.wait_streams(30)
@@ -178,7 +178,7 @@ def test_a_stream_without_errors_says_errors_0(
 def test_the_worker_gauges_exist_from_start_up_for_every_loader(
     serve_loaders: ServeLoaders,
 ) -> None:
-    squares = {"dataset": "tests.datasets:Squares", "batch_size": 4}
+    squares: dict[str, Any] = {"dataset": "tests.datasets:Squares", "batch_size": 4}
     served = serve_loaders(
         LoaderSpec(name="inline", **squares),
         LoaderSpec(name="pooled", num_workers=2, prefetch_factor=3, **squares),
