@@ -23,7 +23,7 @@ from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import (
@@ -168,6 +168,7 @@ class LoaderHost:
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         ray_address: str | None = None,
+        metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
     ) -> None:
         if max_batch_bytes < 1:
             raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
@@ -175,7 +176,9 @@ class LoaderHost:
         self.max_batch_bytes = max_batch_bytes
         # What this loader served and where its batches waited; a server's MetricsServer
         # shows it (server/metrics.py).
-        self.metrics = LoaderMetrics(spec.name)
+        self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
+        # torch's default prefetch_factor is 2, as the pool's.
+        self.metrics.configured(spec.num_workers, spec.prefetch_factor or 2)
         require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
         self.dataset = build_dataset(spec)
         check_length(spec, self.dataset)  # before torch's RandomSampler calls len() itself

@@ -31,6 +31,7 @@ from remote_loader.server.errors import (
     LoaderBrokenError,
 )
 from remote_loader.server.lanes import MIN_LANE_WINDOW, Entry, Lane
+from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.policies import HUNGRY_POLL, Policy, policy_for
@@ -101,6 +102,7 @@ class Consumer:
         # wakes it when it sleeps for the next record; None: the consumer is sent its batches.
         self.control: shm.RingWriter | None = None
         self.passed_nbytes = 0  # encoded bytes of the batches passed on the board
+        self.errors = 0  # errors at batch positions sent or passed (the stream's end line)
         # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
         self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
 
@@ -167,6 +169,7 @@ class Consumer:
         nbytes = sum(entry.nbytes for entry in entries)  # an error's is 0
         errors = sum(1 for entry in entries if entry.error is not None)
         self.passed_nbytes += nbytes
+        self.errors += errors
         self.metrics.sent_many(len(entries) - errors, nbytes, errors)
 
     def done(self, entry: Entry) -> None:
@@ -180,6 +183,8 @@ class Consumer:
 
     def sent(self, entry: Entry) -> None:
         """`entry` reached the client (for metrics: batches, bytes or errors served)."""
+        if entry.error is not None:
+            self.errors += 1
         self.metrics.sent(entry.nbytes, entry.error is not None)
 
     def close(self) -> None:
@@ -362,6 +367,7 @@ class Run:
                 self.cond.wait(HUNGRY_POLL if self.policy.hungry() else POLL_INTERVAL)
                 return True
         outcome = engine.poll(POLL_INTERVAL)
+        failed: list[tuple[Lane, int, RemoteError]] = []
         if outcome is not None:
             with self.cond:
                 lane, local_id, submitted_at = self._tasks.pop(outcome.task_id)
@@ -372,13 +378,41 @@ class Run:
                 lane.reorder.put(local_id, outcome.delivery)
                 for delivery in lane.reorder.ready():
                     if delivery is not None:  # None: that worker's IterableDataset ran dry
-                        lane.add(delivery)
+                        failed.extend(self._add(lane, delivery))
                         self.metrics.batch_ready(
                             delivery.submitted_at, delivery.received_at, time.monotonic()
                         )
                 self.policy.published(self.consumers)
                 self.cond.notify_all()
+        self._log_errors(failed)
         return True
+
+    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, RemoteError]]:
+        """With `cond` held: `delivery` takes `lane`'s next position; returns the error made
+        there, if it is one, for `_log_errors` (after `cond` is let go)."""
+        position = lane.produced
+        lane.add(delivery)
+        return [] if delivery.error is None else [(lane, position, delivery.error)]
+
+    def _log_errors(self, failed: list[tuple[Lane, int, RemoteError]]) -> None:
+        """Logs each error made at a batch's position: here, where it is made once, not in each
+        stream that sends it (a broadcast error goes to every consumer)."""
+        for lane, position, error in failed:
+            lines = error.traceback.strip().splitlines() or [f"{error.type}: {error.message}"]
+            rank = {"rank": lane.rank} if self.key.sharing == "partition" else {}
+            log.warning(
+                "dataset error %s",
+                logfmt(
+                    loader=self.spec.name,
+                    job=self.key.job,
+                    epoch=self.key.epoch,
+                    sharing=self.key.sharing,
+                    **rank,
+                    batch=position,
+                    where=error.where,
+                    error=lines[-1],
+                ),
+            )
 
     def _submit(self, engine: Engine) -> None:
         """Submits tasks while the engine has room, the lanes taking turns (fairness)."""
@@ -412,11 +446,13 @@ class Run:
 
     def _fail(self, error: RemoteError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
+        failed = []
         with self.cond:
             for lane in self.policy.lanes:
                 lane.tasks_done = True
                 lane.outstanding = 0
                 if lane.tasks is not None and not lane.abandoned and not self.closing:
-                    lane.add(Delivery(error=error))
+                    failed.extend(self._add(lane, Delivery(error=error)))
             self._tasks.clear()
             self.cond.notify_all()
+        self._log_errors(failed)

@@ -76,6 +76,7 @@ class Server:
             specs,
             max_batch_bytes=self.settings.max_batch_bytes,
             ray_address=self.settings.ray_address,
+            metrics_max_consumers=self.settings.metrics_max_consumers,
         )
         try:
             self._server = create_server(self.hosts, self.settings)
@@ -268,6 +269,7 @@ def build_hosts(
     *,
     max_batch_bytes: int = ServerSettings.max_batch_bytes,
     ray_address: str | None = None,
+    metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
     ctx = ctx or worker_context()
@@ -275,7 +277,11 @@ def build_hosts(
     try:
         for name, spec in specs.items():
             hosts[name] = LoaderHost(
-                spec, ctx, max_batch_bytes=max_batch_bytes, ray_address=ray_address
+                spec,
+                ctx,
+                max_batch_bytes=max_batch_bytes,
+                ray_address=ray_address,
+                metrics_max_consumers=metrics_max_consumers,
             )
             hosts[name].start()
     except BaseException:
@@ -348,6 +354,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         settings.max_ring_bytes,
         zero_copy=settings.zero_copy,
         max_streams=settings.max_streams,
+        idle_stream_timeout=settings.idle_stream_timeout,
         client_silence=(settings.keepalive_time_ms + settings.keepalive_timeout_ms) / 1000,
     )
     handlers = {

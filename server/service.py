@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ import grpc
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server import board
+from remote_loader.server.admission import Admission, StreamSlot
 from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import (
     ClosingError,
@@ -32,6 +32,7 @@ from remote_loader.server.errors import (
     SpecChanged,
 )
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer
@@ -60,6 +61,7 @@ class LoaderService:
         zero_copy: bool = True,
         max_streams: int = ServerSettings.max_streams,
         client_silence: float = DEFAULT_CLIENT_SILENCE,
+        idle_stream_timeout: float = ServerSettings.idle_stream_timeout,
     ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
@@ -81,17 +83,15 @@ class LoaderService:
         self.listener: DataListener | None = None
         # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
         self.draining = False
-        # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED (health and
-        # Describe are not counted: a full server still answers probes).
-        self.max_streams = max_streams
-        self._streams = 0  # always the Stream calls between their count and their finally
-        self._streams_changed = threading.Condition()
+        # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED, or takes the place
+        # of a stream idle for idle_stream_timeout (NOTE [ Idle streams ]); health and Describe
+        # are not counted: a full server still answers probes.
+        self.admission = Admission(max_streams, idle_stream_timeout)
         self._stream_ids = itertools.count(1)  # names a stream in its log lines
 
     def wait_streams(self, timeout: float) -> bool:
         """Waits up to `timeout` s for the running streams to end; True if none is left."""
-        with self._streams_changed:
-            return self._streams_changed.wait_for(lambda: self._streams == 0, timeout)
+        return self.admission.wait_idle(timeout)
 
     def _refuse_when_draining(self) -> None:
         if self.draining:
@@ -177,31 +177,29 @@ class LoaderService:
         self, request: pb.StreamRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         self._refuse_when_draining()
-        with self._streams_changed:
-            full = self._streams >= self.max_streams
-            if not full:
-                self._streams += 1
-        if full:
+        slot = self.admission.admit(context)
+        if slot is None:
+            max_streams = self.admission.max_streams
             log.warning(
                 "stream refused %s",
                 logfmt(
                     peer=context.peer(),
                     loader=request.loader,
                     status="RESOURCE_EXHAUSTED",
-                    error=f"max_streams={self.max_streams} streams are running",
+                    error=f"max_streams={max_streams} streams are running",
                 ),
             )
+            idle = self.admission.idle_stream_timeout
             raise Overloaded(
-                f"this server already runs its max_streams={self.max_streams} streams; retry "
-                "when one ends, or raise the server's max_streams setting (--max-streams, "
-                "REMOTE_LOADER_MAX_STREAMS)"
+                f"this server already runs its max_streams={max_streams} streams"
+                + (f" (none has gone idle_stream_timeout={idle:g} s unread)" if idle else "")
+                + "; retry when one ends, or raise the server's max_streams setting "
+                "(--max-streams, REMOTE_LOADER_MAX_STREAMS)"
             )
         try:
-            yield from self._stream(request, context)
+            yield from self._stream(request, context, slot)
         finally:
-            with self._streams_changed:
-                self._streams -= 1
-                self._streams_changed.notify_all()
+            self.admission.release(slot)
 
     def _admit(
         self, request: pb.StreamRequest
@@ -237,7 +235,9 @@ class LoaderService:
             raise RequestInvalid(problem)
         return host, membership, seed, reshard
 
-    def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _stream(
+        self, request: pb.StreamRequest, context: grpc.ServicerContext, slot: StreamSlot
+    ) -> Iterator[bytes]:
         host, membership, seed, reshard = self._admit(request)
         start = request.start
         cancelled = threading.Event()
@@ -293,7 +293,7 @@ class LoaderService:
                 )
                 progress.board, progress.nbytes = progress.batches - start, nbytes
             else:
-                ended = yield from _send_epoch(consumer, sender, cancelled, progress)
+                ended = yield from _send_epoch(consumer, sender, cancelled, progress, slot)
             if not ended:
                 return  # cancelled mid-batch; the finally below closes the consumer
             # Detach before the end frame: the last consumer out gives the workers back first,
@@ -322,6 +322,8 @@ class LoaderService:
             sender.close()
             done = progress.completed
             outcome = _outcome(context, cancelled.is_set() and not done, done)
+            if slot.evicted is not None and not done:  # NOTE [ Idle streams ]
+                outcome = {"outcome": "error", "status": "ABORTED", "error": slot.evicted}
             log.log(
                 logging.WARNING if "status" in outcome else logging.INFO,
                 "stream end %s %s",
@@ -331,6 +333,7 @@ class LoaderService:
                     bytes=progress.nbytes,
                     **{f"{sender.name}_batches": sender.batches},
                     **({"board_batches": progress.board} if progress.board else {}),
+                    errors=consumer.errors if consumer is not None else 0,
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
@@ -348,26 +351,37 @@ class _Progress:
 
 
 def _send_epoch(
-    consumer: Consumer, sender: Sender, cancelled: threading.Event, progress: _Progress
+    consumer: Consumer,
+    sender: Sender,
+    cancelled: threading.Event,
+    progress: _Progress,
+    slot: StreamSlot,
 ) -> Generator[bytes, None, bool]:
     """Sends the consumer's entries in order, counting them in `progress`: True when its
-    epoch ended, False when the client went away mid-batch."""
+    epoch ended, False when the client went away mid-batch. `slot` is told when the stream
+    waits on its client (NOTE [ Idle streams ])."""
 
     def stopped() -> bool:
         return cancelled.is_set() or consumer.detached is not None
 
     while (entry := consumer.next(cancelled)) is not None:
+        slot.handing()
         try:
             if entry.error is not None:
                 yield error_frame(progress.batches, entry)
             else:
-                yield from sender.send(progress.batches, entry, stopped)
+                # gRPC resumes this generator once it has written the Frame: the client took
+                # it, and the wait for it to take the next one starts.
+                for frame in sender.send(progress.batches, entry, stopped):
+                    yield frame
+                    slot.handing()
                 progress.nbytes += entry.nbytes
         except StreamStopped:
             if cancelled.is_set():
                 return False
             continue  # detached: next() says why
         finally:
+            slot.between()
             consumer.done(entry)
         consumer.sent(entry)  # metrics: batches, bytes or errors served
         progress.batches += 1
@@ -426,17 +440,6 @@ def check_positions(
             f"loader {host.spec.name!r}), got {start}"
         )
     return None
-
-
-def logfmt(**fields: object) -> str:
-    """`key=value` pairs for a log line; values with spaces, quotes or `=` are quoted (JSON)."""
-    parts = []
-    for key, value in fields.items():
-        text = str(value)
-        if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-            text = json.dumps(text)
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
 
 
 def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) -> dict[str, str]:

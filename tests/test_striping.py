@@ -298,7 +298,7 @@ def test_a_connection_cut_mid_stripe_is_resumed_exactly(
         assert loader.stats().reconnects == 1
         assert loader.last_transport == "tcp"
     # The server's side of it ended too, its threads with it.
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: not stripe_threads(SEND_THREADS), 5)
 
 
@@ -324,7 +324,7 @@ def test_no_socket_or_thread_outlives_its_stream(
             it.close()  # mid-epoch, likely mid-stripe on the server
         else:
             assert sum(1 for _ in it) == len(sizes) - 2
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: data_sockets(port) == 0, 5)
     assert not stripe_threads(SEND_THREADS)
     assert not stripe_threads(RECV_THREADS)
@@ -363,7 +363,7 @@ def test_a_stream_stopped_mid_stripe_ends_at_once(
     finally:
         release.set()
     assert wait_until(lambda: not stripe_threads(RECV_THREADS), 5)
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: not stripe_threads(SEND_THREADS), 5)
 
 

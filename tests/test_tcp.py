@@ -221,7 +221,7 @@ def test_a_data_connection_that_breaks_mid_epoch_is_resumed_exactly(
         assert loader.stats().reconnects == 1
         assert loader.last_transport == "tcp"
     # The server's side of it ended too: no stream is left running.
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
 
 
 def test_broadcast_consumers_on_every_transport_get_the_same_batches(
@@ -276,12 +276,12 @@ def test_a_killed_client_ends_its_stream_on_the_server(serve_loaders: ServeLoade
     try:
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "tcp"
-        assert served.server.service._streams == 1
+        assert served.server.service.admission.running == 1
         client.kill()
         client.wait(10)
         # The server's send fails (the socket is reset) or the call is cancelled, whichever is
         # first: either way the stream ends and gives its workers back.
-        assert wait_until(lambda: served.server.service._streams == 0, 5)
+        assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     finally:
         client.kill()
         client.wait(10)
