@@ -146,18 +146,10 @@ class LoaderService:
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
         seed = request.seed if request.HasField("seed") else spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError("only partition sharing resumes on another world size")
-            info.length = host.length(membership, reshard, seed, request.epoch)
+        _, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        if length is not None:  # else unsized IterableDataset, or dynamic sharing
+            info.length = length
             info.has_length = True
-        except TypeError:
-            pass  # unsized IterableDataset, or dynamic sharing: the length is unknown
-        except ReshardError as exc:
-            raise RequestInvalid(
-                f"cannot resume epoch {request.epoch} on world_size {membership.world_size}: {exc}"
-            ) from exc
         if spec.batch_size is not None and spec.batch_sampler is None:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
@@ -218,16 +210,8 @@ class LoaderService:
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError(
-                    "only partition sharing resumes on another world size (a broadcast or "
-                    "dynamic consumer's position does not depend on the world size)"
-                )
-            problem = check_positions(host, membership, request.epoch, request.start, seed, reshard)
-        except ReshardError as exc:
-            problem = f"cannot resume this epoch on world_size {membership.world_size}: {exc}"
+        reshard, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        problem = check_start(host, request.start, length)
         if problem is None:
             try:
                 compression.check(request.compression)
@@ -399,24 +383,41 @@ MAX_EPOCH = 2**63 - 1
 MAX_START = 2**63 - 1
 
 
-def check_positions(
+def check_epoch(
     host: LoaderHost,
     membership: Membership,
     epoch: int,
-    start: int,
-    seed: int = 0,
-    reshard: Reshard | None = None,
-) -> str | None:
-    """What is wrong with a stream's epoch and start, or None: checked before any read.
-    Raises ReshardError for an elastic resume that cannot be honoured."""
+    seed: int,
+    reshard_message: pb.Reshard,
+) -> tuple[Reshard | None, int | None]:
+    """The consumer's elastic origin and its batches in `epoch` (None where not known in
+    advance: dynamic sharing, unsized iterables), checked before any read: RequestInvalid for
+    what Stream and Describe both refuse (this one check serves both)."""
     if epoch > MAX_EPOCH:
-        return (
+        raise RequestInvalid(
             f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
             f"seed + epoch, as DistributedSampler does), got {epoch}"
         )
+    reshard: Reshard | None = None
     try:
-        length = host.length(membership, reshard, seed, epoch)
+        reshard = Reshard.of(reshard_message)
+        if reshard is not None and membership.sharing != "partition":
+            raise ReshardError(
+                "only partition sharing resumes on another world size (a broadcast or "
+                "dynamic consumer's position does not depend on the world size)"
+            )
+        return reshard, host.length(membership, reshard, seed, epoch)
     except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
+        return reshard, None
+    except ReshardError as exc:
+        raise RequestInvalid(
+            f"cannot resume epoch {epoch} on world_size {membership.world_size}: {exc}"
+        ) from exc
+
+
+def check_start(host: LoaderHost, start: int, length: int | None) -> str | None:
+    """What is wrong with a stream's start in an epoch of `length` batches, or None."""
+    if length is None:
         if start > MAX_START:
             return f"start must be between 0 and {MAX_START}, got {start}"
         return None
