@@ -22,7 +22,7 @@ import grpc
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server import board
-from remote_loader.server.elastic import Reshard, ReshardError
+from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
@@ -30,6 +30,7 @@ from remote_loader.server.errors import (
     RequestInvalid,
     ServerError,
     SpecChanged,
+    clip,
 )
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.membership import DEFAULT_JOB, Membership
@@ -45,6 +46,12 @@ from remote_loader.server.transports import (
     negotiate,
 )
 from remote_loader.server.transports.base import error_frame
+from remote_loader.server.validation import (
+    Undecodable,
+    check_epoch,
+    check_start,
+    decoded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +114,8 @@ class LoaderService:
         host = self.hosts.get(name)
         if host is None:
             raise LoaderNotFound(
-                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}"
+                f"no loader named {clip(name)!r}; this server hosts: "
+                f"{', '.join(sorted(self.hosts))}"
             )
         return host
 
@@ -122,13 +130,17 @@ class LoaderService:
         return membership
 
     def ListLoaders(
-        self, request: pb.ListLoadersRequest, context: grpc.ServicerContext
+        self, request: pb.ListLoadersRequest | Undecodable, context: grpc.ServicerContext
     ) -> pb.ListLoadersResponse:
+        decoded("ListLoaders", request, context)
         return pb.ListLoadersResponse(names=sorted(self.hosts))
 
-    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
+    def Describe(
+        self, request: pb.DescribeRequest | Undecodable, context: grpc.ServicerContext
+    ) -> pb.LoaderInfo:
+        described = decoded("Describe", request, context)
         with _statuses(context):
-            return self._describe(request)
+            return self._describe(described)
 
     def _describe(self, request: pb.DescribeRequest) -> pb.LoaderInfo:
         self._refuse_when_draining()
@@ -161,9 +173,12 @@ class LoaderService:
             info.pool.workers = int(started.get("workers", spec.num_workers))
         return info
 
-    def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Stream(
+        self, request: pb.StreamRequest | Undecodable, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        streamed = decoded("Stream", request, context)  # before it counts as a stream
         with _statuses(context):
-            yield from self._counted_stream(request, context)
+            yield from self._counted_stream(streamed, context)
 
     def _counted_stream(
         self, request: pb.StreamRequest, context: grpc.ServicerContext
@@ -178,7 +193,7 @@ class LoaderService:
                 "stream refused %s",
                 logfmt(
                     peer=context.peer(),
-                    loader=request.loader,
+                    loader=clip(request.loader),
                     status="RESOURCE_EXHAUSTED",
                     error=f"max_streams={self.max_streams} streams are running",
                 ),
@@ -206,7 +221,7 @@ class LoaderService:
             raise SpecChanged(
                 f"loader {host.spec.name!r} has changed: its spec's fingerprint is now "
                 f"{host.spec.fingerprint()}, the consumer's state was saved with "
-                f"{request.fingerprint}; resuming would not line the batches up. Start the "
+                f"{clip(request.fingerprint)}; resuming would not line the batches up. Start the "
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
@@ -214,7 +229,7 @@ class LoaderService:
         problem = check_start(host, request.start, length)
         if problem is None:
             try:
-                compression.check(request.compression)
+                compression.check(clip(request.compression))  # clip: the error echoes it
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -236,7 +251,7 @@ class LoaderService:
             epoch=request.epoch,
             seed=seed,
             sharing=membership.sharing,
-            job=membership.job,
+            job=clip(membership.job),
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
             compression=request.compression or "none",
@@ -371,62 +386,6 @@ def _compression(request: pb.StreamRequest) -> str:
         )
         return ""
     return name
-
-
-# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
-# seed + epoch (server/sampling.py), and a DistributedSampler-style sampler seeds its own
-# generator with its seed + epoch. Seeds are int64 (request and spec), so an epoch of at most
-# 2**63 - 1 keeps every such sum in range whatever the seed.
-MAX_EPOCH = 2**63 - 1
-# A stream's positions travel as uint64 (Frame.batch, StreamEnd.batches) and are counted on from
-# `start`: a start past this could not be numbered to the end of any epoch.
-MAX_START = 2**63 - 1
-
-
-def check_epoch(
-    host: LoaderHost,
-    membership: Membership,
-    epoch: int,
-    seed: int,
-    reshard_message: pb.Reshard,
-) -> tuple[Reshard | None, int | None]:
-    """The consumer's elastic origin and its batches in `epoch` (None where not known in
-    advance: dynamic sharing, unsized iterables), checked before any read: RequestInvalid for
-    what Stream and Describe both refuse (this one check serves both)."""
-    if epoch > MAX_EPOCH:
-        raise RequestInvalid(
-            f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
-            f"seed + epoch, as DistributedSampler does), got {epoch}"
-        )
-    reshard: Reshard | None = None
-    try:
-        reshard = Reshard.of(reshard_message)
-        if reshard is not None and membership.sharing != "partition":
-            raise ReshardError(
-                "only partition sharing resumes on another world size (a broadcast or "
-                "dynamic consumer's position does not depend on the world size)"
-            )
-        return reshard, host.length(membership, reshard, seed, epoch)
-    except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
-        return reshard, None
-    except ReshardError as exc:
-        raise RequestInvalid(
-            f"cannot resume epoch {epoch} on world_size {membership.world_size}: {exc}"
-        ) from exc
-
-
-def check_start(host: LoaderHost, start: int, length: int | None) -> str | None:
-    """What is wrong with a stream's start in an epoch of `length` batches, or None."""
-    if length is None:
-        if start > MAX_START:
-            return f"start must be between 0 and {MAX_START}, got {start}"
-        return None
-    if start > length:
-        return (
-            f"start must be between 0 and {length} (this consumer's batches in an epoch of "
-            f"loader {host.spec.name!r}), got {start}"
-        )
-    return None
 
 
 def logfmt(**fields: object) -> str:
