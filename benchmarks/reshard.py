@@ -49,8 +49,9 @@ def describe(address: str, request: pb.DescribeRequest) -> tuple[float, str]:
         return time.perf_counter() - started, what
 
 
-def first_frame(address: str, request: pb.StreamRequest, out: dict[str, float]) -> None:
-    """Seconds from calling Stream to its first frame, into out["seconds"]."""
+def whole_stream(address: str, request: pb.StreamRequest, out: dict[str, float]) -> None:
+    """Seconds from calling Stream to its end, into out["seconds"] (rank 0 of the wide job
+    gets one batch: the time is the plan's)."""
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_stream(
             wire.STREAM_METHOD,
@@ -58,10 +59,9 @@ def first_frame(address: str, request: pb.StreamRequest, out: dict[str, float]) 
             response_deserializer=pb.Frame.FromString,
         )
         started = time.perf_counter()
-        frames = call(request, timeout=CALL_TIMEOUT)
-        next(frames)
+        frames = list(call(request, timeout=CALL_TIMEOUT))
         out["seconds"] = time.perf_counter() - started
-        frames.cancel()
+        out["batches"] = frames[-1].end.batches
 
 
 def wide_request(ranks: int) -> tuple[pb.Consumer, pb.Reshard]:
@@ -79,16 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    proc, address = start_server(
-        [
-            "--address", "127.0.0.1:0",
-            "--dataset", "tests.datasets:Squares",
-            "--dataset-kwargs", json.dumps({"n": args.samples}),
-            "--batch-size", "4", "--shuffle", "--name", "sq",
-            "--max-request-bytes", str(4 << 20),
-            "--log-level", "WARNING",
-        ]  # fmt: skip
-    )
+    flags = ["--address", "127.0.0.1:0", "--name", "sq", "--log-level", "WARNING"]
+    flags += ["--dataset", "tests.datasets:Squares", "--batch-size", "4", "--shuffle"]
+    flags += ["--dataset-kwargs", json.dumps({"n": args.samples})]
+    flags += ["--max-request-bytes", str(4 << 20)]  # an old job's count per rank
+    proc, address = start_server(flags)
     try:
         consumer, reshard = wide_request(args.ranks)
         for label, request in [
@@ -126,24 +121,42 @@ def main(argv: list[str] | None = None) -> int:
             seconds, what = describe(address, request)
             print(f"{label}: {seconds:.3f} s ({what})")
 
-        # Another trainer's first batch while the wide resharding Stream is admitted.
-        wide: dict[str, float] = {}
-        thread = threading.Thread(
-            target=first_frame,
-            args=(
-                address,
-                pb.StreamRequest(loader="sq", consumer=consumer, reshard=reshard, epoch=1),
-                wide,
-            ),
-        )
-        with RemoteLoader(address, "sq", job="other") as other:
-            thread.start()
-            started = time.perf_counter()
-            next(iter(other))
-            other_first = time.perf_counter() - started
-        thread.join(CALL_TIMEOUT)
-        print(f"Stream, world_size {args.ranks} from 1 rank: first frame {wide['seconds']:.3f} s")
-        print(f"  another trainer's first batch meanwhile: {other_first:.3f} s")
+        # Another trainer's first batch while a resharding Stream plans its epoch: the new
+        # job's ranks from one old rank, and the old job's ranks (all but 4 of them done)
+        # finished by 2 new ones; each epoch planned afresh (a Run per epoch).
+        few = [0] * 4 + [1] * (args.ranks - 4)  # 1000 samples: one batch per old rank
+        for epoch, (label, resume) in enumerate(
+            [
+                (
+                    f"world_size {args.ranks} from 1 rank",
+                    pb.StreamRequest(loader="sq", consumer=consumer, reshard=reshard),
+                ),
+                (
+                    f"world_size 2 from {args.ranks} ranks",
+                    pb.StreamRequest(
+                        loader="sq",
+                        consumer=pb.Consumer(sharing="partition", job="two", world_size=2),
+                        reshard=pb.Reshard(world_size=args.ranks, consumed=few),
+                    ),
+                ),
+            ],
+            start=1,
+        ):
+            resume.epoch = epoch
+            resumed: dict[str, float] = {}
+            thread = threading.Thread(target=whole_stream, args=(address, resume, resumed))
+            with RemoteLoader(address, "sq", job=f"other{epoch}") as other:
+                other.set_epoch(epoch)
+                thread.start()
+                started = time.perf_counter()
+                next(iter(other))
+                other_first = time.perf_counter() - started
+            thread.join(CALL_TIMEOUT)
+            print(
+                f"Stream, {label}: {resumed['batches']:.0f} batches, ended after "
+                f"{resumed['seconds']:.3f} s; another trainer's first batch meanwhile: "
+                f"{other_first:.3f} s"
+            )
     finally:
         stop_process(proc)
     return 0

@@ -46,14 +46,20 @@ MAX_RESHARD_DEPTH = 16
 
 # NOTE [ Resharding cost ]
 #
-# Resuming plans the epoch again for every job that took part: each earlier job's shares (to
-# know what each of its ranks left) and the new job's. Each plan costs one pass over the
-# epoch's tasks plus one per rank (sampling.deal cuts every rank's share in that pass;
-# share() per rank, as before, was quadratic: 0.85 s at 16384 ranks, minutes at 65536). So a
-# request costs about (MAX_RESHARD_DEPTH + 1) passes over the epoch plus the sum of its world
-# sizes; that sum is what MAX_RESHARD_RANKS bounds (benchmarks/reshard.py: a 65536-rank
-# resume in about 0.1 s here). A Stream plans outside the registry's lock (Runs.attach), so
-# a slow plan delays only its own stream.
+# What a request naming a reshard costs the server, by who asks:
+#
+#   Describe, and a Stream's admission:  the length and every refusal from the counts alone
+#       (resharded_length): a sum per job, no plan; time in the ranks of all the jobs.
+#   the Run a Stream starts:  the plan (resharded_plan), made once for all the new ranks:
+#       each earlier job's tasks, interleaved as sampling.deal deals them (rank r's k-th at
+#       k * w + r), in one pass over the epoch; what each rank left, in one pass more; then
+#       the new ranks' shares, cut per rank only when that rank joins.
+#       Made outside Runs._lock (Runs.attach): a slow plan delays only its own stream.
+#
+# A share() per rank walks the whole epoch each (quadratic in the ranks): a Describe of 16384
+# ranks took 0.85 s, and one of 65536 burned 13 s of CPU after its caller gave up. Now the time
+# grows with the epoch's batches plus the ranks, which MAX_RESHARD_RANKS bounds: the new
+# world_size plus every earlier job's (benchmarks/reshard.py measures 65536 ranks).
 MAX_RESHARD_RANKS = 1 << 17
 
 

@@ -41,7 +41,9 @@ RUN_JOIN_TIMEOUT = 60.0
 # Locks: `Runs._lock` (the registry) is taken before any `Run.cond`, never after. Everything
 # about one Run (its lanes, entries and consumers) is guarded by its `cond`; the Run's thread
 # is the only one that talks to the engine (worker pool or in-process loader), and it calls
-# `engine.poll` without holding `cond`.
+# `engine.poll` without holding `cond`. A new Run's plan is made before `_lock` is taken (an
+# elastic resume's can take a while, NOTE [ Resharding cost ]); a consumer that finds a Run
+# of its key started meanwhile joins that one, and the plan made for nothing is dropped.
 #
 # Lifetime: a Run is created by the first consumer that finds no Run to join and ends when its
 # last consumer detaches (end of its stream, a client that went away, or a stalled broadcast

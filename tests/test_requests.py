@@ -305,10 +305,10 @@ def test_an_undecodable_request_is_refused_in_one_log_line(
     with grpc.insecure_channel(served.address) as channel:
         path = f"/{wire.SERVICE_NAME}/{method}"
         if method == "Stream":
-            stream = channel.unary_stream(path)
+            stream = channel.unary_stream(path, None, None)
             error = _error(lambda: list(stream(garbage, timeout=30)))
         else:
-            error = _error(channel.unary_unary(path), garbage, 30)
+            error = _error(channel.unary_unary(path, None, None), garbage, 30)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert f"the {method} request could not be decoded" in (error.details() or "")
     about = [r for r in caplog.records if "undecodable" in r.getMessage() or r.exc_info]
