@@ -41,6 +41,7 @@ still finds it. If the client never opens it, the server unlinks it when the str
 server is killed before that, its resource tracker (a separate process, outliving it) unlinks
 it. The probe is unlinked by the server when it reads it and by
 the client when the stream's first message or error arrives, whichever comes first.
+See NOTE [ Stale probes ] for a client killed in between.
 
 The ring is the fallback of a faster way: a client that also shares the server's pid namespace
 and user reads each batch in its worker's slot, and the server copies nothing; its stream's ring
@@ -161,6 +162,40 @@ def _unlink(name: str) -> None:
 
 # --- the probe: do client and server see the same /dev/shm? -------------------------------
 
+# NOTE [ Stale probes ]
+#
+# A client killed between making its probe and its stream's first message leaves the file:
+# nothing it owned outlives it to unlink it (a probe is not registered with the resource
+# tracker: the server, not the client, must be able to unlink it first). So whoever next
+# probes on that /dev/shm, a client making its probe or a server reading one, unlinks the
+# probe files older than PROBE_STALE_AFTER. A probe lives for one request's round trip, so a
+# probe that old is a dead client's; were it a live client's stuck that long, the server would
+# find it gone and the stream would go over gRPC or TCP instead, as without shared memory.
+# Age, not the creator's pid: the name carries no pid, and the pid a request names is only
+# readable by a server in the client's pid namespace. Another user's probe cannot be unlinked
+# (/dev/shm is sticky) and is left to a process of that user (or root).
+PROBE_STALE_AFTER = 60.0
+
+
+def sweep_stale_probes(now: float | None = None) -> list[str]:
+    """Unlinks the probe files last written more than PROBE_STALE_AFTER seconds before `now`
+    (time.time()); returns their names (see NOTE [ Stale probes ])."""
+    now = time.time() if now is None else now
+    swept: list[str] = []
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if _PROBE_NAME.fullmatch(n)]
+    except OSError:
+        return swept
+    for name in names:
+        try:
+            st = os.stat(_path(name), follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > PROBE_STALE_AFTER:
+                os.unlink(_path(name))
+                swept.append(name)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return swept
+
 
 class Probe:
     """The client's half of the negotiation: a small file only a process sharing /dev/shm reads.
@@ -171,6 +206,7 @@ class Probe:
     """
 
     def __init__(self) -> None:
+        sweep_stale_probes()  # NOTE [ Stale probes ]
         self.name = PROBE_PREFIX + secrets.token_hex(16)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.pid = os.getpid()
@@ -222,6 +258,7 @@ def read_probe(name: str, nonce: bytes) -> os.stat_result | None:
     """
     if not _PROBE_NAME.fullmatch(name) or len(nonce) != NONCE_BYTES:
         return None
+    sweep_stale_probes()  # NOTE [ Stale probes ]
     try:
         fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

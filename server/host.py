@@ -19,7 +19,12 @@ from torch.utils.data import IterableDataset
 
 from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.backends import Pool, make_pool, require_backend
-from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
+from remote_loader.server.elastic import (
+    Reshard,
+    ReshardError,
+    resharded_length,
+    resharded_plan,
+)
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
@@ -238,9 +243,13 @@ class LoaderHost:
                     f"loader {self.spec.name!r} serves an IterableDataset, whose order is not "
                     "the server's to deal out again: it cannot resume on another world size"
                 )
-            plan = self._plan(seed, epoch, world_size, reshard)
-            assert plan.indices is not None
-            return len(plan.indices(membership.rank))
+            return resharded_length(
+                reshard,
+                world_size,
+                self.spec.partition_drop_last,
+                epoch,
+                lambda w: epoch_length(self._loader, self.spec, w),
+            )
         return epoch_length(self._loader, self.spec, world_size)
 
     def check(self, membership: Membership) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remote_loader.server.errors import (
-    SharingError,
-)
+from remote_loader.server.errors import SharingError, clip
 from remote_loader.server.policies import policy_for
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
 
@@ -30,7 +28,8 @@ class Membership:
         """Raises SharingError, saying what is allowed, for a membership the loader refuses."""
         if self.sharing not in SHARING_MODES:
             raise SharingError(
-                f"unknown sharing mode {self.sharing!r}; the modes are {', '.join(SHARING_MODES)}"
+                f"unknown sharing mode {clip(self.sharing)!r}; the modes are "
+                f"{', '.join(SHARING_MODES)}"
             )
         if self.sharing not in spec.sharing:
             raise SharingError(

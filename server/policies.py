@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from remote_loader.server.board import Board
+from remote_loader.server.errors import clip
 from remote_loader.server.lanes import BroadcastLane, Entry, Lane, QueueLane
 from remote_loader.server.sampling import EpochPlan
 from remote_loader.server.spec import LoaderSpec
@@ -469,7 +470,7 @@ class Broadcast(Policy):
                     "loader %r job %r epoch %d: detaching broadcast consumer rank %d: it sent "
                     "nothing for %.1f s while others waited (detach_timeout)",
                     self.spec.name,
-                    self.key.job,
+                    clip(self.key.job),
                     self.key.epoch,
                     c.membership.rank,
                     stalled,

@@ -37,6 +37,7 @@ from remote_loader.server.service import LoaderService
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import ConfigError, LoaderSpec
 from remote_loader.server.transports import DataListener
+from remote_loader.server.validation import decoder
 
 log = logging.getLogger(__name__)
 
@@ -360,17 +361,17 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
             service.ListLoaders,
-            request_deserializer=pb.ListLoadersRequest.FromString,
+            request_deserializer=decoder(pb.ListLoadersRequest.FromString),
             response_serializer=pb.ListLoadersResponse.SerializeToString,
         ),
         "Describe": grpc.unary_unary_rpc_method_handler(
             service.Describe,
-            request_deserializer=pb.DescribeRequest.FromString,
+            request_deserializer=decoder(pb.DescribeRequest.FromString),
             response_serializer=pb.LoaderInfo.SerializeToString,
         ),
         # No response serializer: the handler yields Frames it serialized itself (see wire.py).
         "Stream": grpc.unary_stream_rpc_method_handler(
-            service.Stream, request_deserializer=pb.StreamRequest.FromString
+            service.Stream, request_deserializer=decoder(pb.StreamRequest.FromString)
         ),
     }
     options: list[tuple[str, Any]] = [

@@ -22,7 +22,7 @@ from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server import board
 from remote_loader.server.admission import Admission, StreamSlot
-from remote_loader.server.elastic import Reshard, ReshardError
+from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
@@ -30,6 +30,7 @@ from remote_loader.server.errors import (
     RequestInvalid,
     ServerError,
     SpecChanged,
+    clip,
 )
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.logfmt import logfmt
@@ -46,6 +47,12 @@ from remote_loader.server.transports import (
     negotiate,
 )
 from remote_loader.server.transports.base import error_frame
+from remote_loader.server.validation import (
+    Undecodable,
+    check_epoch,
+    check_start,
+    decoded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +114,8 @@ class LoaderService:
         host = self.hosts.get(name)
         if host is None:
             raise LoaderNotFound(
-                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}"
+                f"no loader named {clip(name)!r}; this server hosts: "
+                f"{', '.join(sorted(self.hosts))}"
             )
         return host
 
@@ -122,13 +130,17 @@ class LoaderService:
         return membership
 
     def ListLoaders(
-        self, request: pb.ListLoadersRequest, context: grpc.ServicerContext
+        self, request: pb.ListLoadersRequest | Undecodable, context: grpc.ServicerContext
     ) -> pb.ListLoadersResponse:
+        decoded("ListLoaders", request, context)
         return pb.ListLoadersResponse(names=sorted(self.hosts))
 
-    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
+    def Describe(
+        self, request: pb.DescribeRequest | Undecodable, context: grpc.ServicerContext
+    ) -> pb.LoaderInfo:
+        described = decoded("Describe", request, context)
         with _statuses(context):
-            return self._describe(request)
+            return self._describe(described)
 
     def _describe(self, request: pb.DescribeRequest) -> pb.LoaderInfo:
         self._refuse_when_draining()
@@ -146,18 +158,10 @@ class LoaderService:
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
         seed = request.seed if request.HasField("seed") else spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError("only partition sharing resumes on another world size")
-            info.length = host.length(membership, reshard, seed, request.epoch)
+        _, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        if length is not None:  # else unsized IterableDataset, or dynamic sharing
+            info.length = length
             info.has_length = True
-        except TypeError:
-            pass  # unsized IterableDataset, or dynamic sharing: the length is unknown
-        except ReshardError as exc:
-            raise RequestInvalid(
-                f"cannot resume epoch {request.epoch} on world_size {membership.world_size}: {exc}"
-            ) from exc
         if spec.batch_size is not None and spec.batch_sampler is None:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
@@ -169,9 +173,12 @@ class LoaderService:
             info.pool.workers = int(started.get("workers", spec.num_workers))
         return info
 
-    def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Stream(
+        self, request: pb.StreamRequest | Undecodable, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        streamed = decoded("Stream", request, context)  # before it counts as a stream
         with _statuses(context):
-            yield from self._counted_stream(request, context)
+            yield from self._counted_stream(streamed, context)
 
     def _counted_stream(
         self, request: pb.StreamRequest, context: grpc.ServicerContext
@@ -184,7 +191,7 @@ class LoaderService:
                 "stream refused %s",
                 logfmt(
                     peer=context.peer(),
-                    loader=request.loader,
+                    loader=clip(request.loader),
                     status="RESOURCE_EXHAUSTED",
                     error=f"max_streams={max_streams} streams are running",
                 ),
@@ -212,23 +219,15 @@ class LoaderService:
             raise SpecChanged(
                 f"loader {host.spec.name!r} has changed: its spec's fingerprint is now "
                 f"{host.spec.fingerprint()}, the consumer's state was saved with "
-                f"{request.fingerprint}; resuming would not line the batches up. Start the "
+                f"{clip(request.fingerprint)}; resuming would not line the batches up. Start the "
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError(
-                    "only partition sharing resumes on another world size (a broadcast or "
-                    "dynamic consumer's position does not depend on the world size)"
-                )
-            problem = check_positions(host, membership, request.epoch, request.start, seed, reshard)
-        except ReshardError as exc:
-            problem = f"cannot resume this epoch on world_size {membership.world_size}: {exc}"
+        reshard, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        problem = check_start(host, request.start, length)
         if problem is None:
             try:
-                compression.check(request.compression)
+                compression.check(clip(request.compression))  # clip: the error echoes it
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -252,7 +251,7 @@ class LoaderService:
             epoch=request.epoch,
             seed=seed,
             sharing=membership.sharing,
-            job=membership.job,
+            job=clip(membership.job),
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
             compression=request.compression or "none",
@@ -401,45 +400,6 @@ def _compression(request: pb.StreamRequest) -> str:
         )
         return ""
     return name
-
-
-# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
-# seed + epoch (server/sampling.py), and a DistributedSampler-style sampler seeds its own
-# generator with its seed + epoch. Seeds are int64 (request and spec), so an epoch of at most
-# 2**63 - 1 keeps every such sum in range whatever the seed.
-MAX_EPOCH = 2**63 - 1
-# A stream's positions travel as uint64 (Frame.batch, StreamEnd.batches) and are counted on from
-# `start`: a start past this could not be numbered to the end of any epoch.
-MAX_START = 2**63 - 1
-
-
-def check_positions(
-    host: LoaderHost,
-    membership: Membership,
-    epoch: int,
-    start: int,
-    seed: int = 0,
-    reshard: Reshard | None = None,
-) -> str | None:
-    """What is wrong with a stream's epoch and start, or None: checked before any read.
-    Raises ReshardError for an elastic resume that cannot be honoured."""
-    if epoch > MAX_EPOCH:
-        return (
-            f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
-            f"seed + epoch, as DistributedSampler does), got {epoch}"
-        )
-    try:
-        length = host.length(membership, reshard, seed, epoch)
-    except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
-        if start > MAX_START:
-            return f"start must be between 0 and {MAX_START}, got {start}"
-        return None
-    if start > length:
-        return (
-            f"start must be between 0 and {length} (this consumer's batches in an epoch of "
-            f"loader {host.spec.name!r}), got {start}"
-        )
-    return None
 
 
 def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) -> dict[str, str]:
