@@ -255,9 +255,7 @@ class Receiver(threading.Thread):
         when a new stream could take over from here."""
         self._finished = None
         self._ends = ends
-        frames = ends.frames(
-            iter(call), call_done=call.done, stopped=self._stopped.is_set, start=self._expected
-        )
+        frames = ends.frames(iter(call))
         try:
             return self._read(frames, ends)
         except grpc.RpcError as exc:
@@ -268,8 +266,8 @@ class Receiver(threading.Thread):
                 raise _Broken(map_rpc_error(exc, self._what)) from exc
             raise
         except ConnectionLostError as exc:
-            # A slot or board record reused under this client: if the server let go of the
-            # stream (a broadcast consumer detached), its status says why, not the torn read.
+            # A slot reused under this client: if the server let go of the stream (a broadcast
+            # consumer detached), its status says why, not the torn read.
             # The server ends such a stream at its next look (a tick): wait that long for it.
             deadline = time.monotonic() + (STATUS_WAIT if isinstance(exc, BatchReused) else 0)
             while not call.done() and time.monotonic() < deadline:

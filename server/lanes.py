@@ -14,15 +14,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from remote_loader.protos import wire
 from remote_loader.server.engine import Delivery
 from remote_loader.server.reorder import Reorderer
 from remote_loader.server.worker import RemoteError
-
-if TYPE_CHECKING:  # the board publishes entries (server/board.py imports Entry from here)
-    from remote_loader.server.board import Board
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +183,6 @@ class BroadcastLane(Lane):
         super().__init__(in_order, window)
         self.entries: collections.deque[Entry] = collections.deque()
         self.base = 0  # position of entries[0]; > start once anything was retired
-        # Where same-host consumers follow the entries (NOTE [ Broadcast board ]); None: none
-        # of them does.
-        self.board: Board | None = None
 
     def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
         super().begin(tasks, start, iterable)
@@ -196,7 +190,7 @@ class BroadcastLane(Lane):
 
     def backlog(self) -> int:
         # Batches back early wait in the reorder buffer: counted, so the lane never holds more
-        # than its window (the board of NOTE [ Broadcast board ] is that long).
+        # than its window.
         return self.outstanding + len(self.reorder) + len(self.entries)
 
     def add(self, delivery: Delivery) -> None:
@@ -207,8 +201,6 @@ class BroadcastLane(Lane):
             self.base = self.produced
         else:
             self.entries.append(entry)
-            if self.board is not None:
-                self.board.publish(entry, self.base)
 
     def entry(self, position: int) -> Entry:
         return self.entries[position - self.base]
@@ -220,5 +212,3 @@ class BroadcastLane(Lane):
 
     def drop_all(self) -> None:
         self.retire_before(self.produced)
-        if self.board is not None:
-            self.board.close()  # the Run is closing: nobody follows it any more

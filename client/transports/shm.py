@@ -100,12 +100,11 @@ class ShmEnd:
         control.release(ref.release)
         return complete
 
-    def control_ring(self, name: str, nbytes: int, *, listen: bool = False) -> shm.RingReader:
+    def control_ring(self, name: str, nbytes: int) -> shm.RingReader:
         """The stream's control ring (NOTE [ Zero-copy slots ]), opened the first time it is
-        named (`listen`: the server may wake this client through it). Raises ShmUnavailable,
-        and ProtocolError for a second one."""
+        named. Raises ShmUnavailable, and ProtocolError for a second one."""
         if self._control is None:
-            self._control = shm.RingReader(name, nbytes, listen=listen)
+            self._control = shm.RingReader(name, nbytes)
         elif self._control.name != name:
             raise ProtocolError(f"{self._what}: a second control ring in one stream")
         return self._control
