@@ -117,13 +117,14 @@ NONCE_BYTES = 16
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
 # ring), [16, 24) the client's heartbeat, [24] the client rings the doorbell (NOTE [ Doorbell ]
 # in protos/doorbell.py), [25, 28) unused (a broadcast board's flags, removed: never set, so a
-# client that still reads [25] rings as it should), the rest of the first 64 bytes unused, then
-# the data.
+# client that still reads [25] rings as it should), [28] the server has closed its end (the
+# stream is over for it), the rest of the first 64 bytes unused, then the data.
 RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
 _HEARTBEAT_AT = 16
 _RINGS_AT = 24
+_CLOSED_AT = 28
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -386,6 +387,7 @@ class RingWriter:
         if self._closed:
             return
         self._closed = True
+        self._mm[_CLOSED_AT] = 1  # a client reading on learns the stream is over for the server
         forget_segment(self.name)
         if self._bell is not None:
             self._bell.close()
@@ -442,6 +444,11 @@ class RingReader:
         self.beat()
         if self._ringer is not None:
             self._ringer.ring()  # after the cursor: NOTE [ Doorbell ]
+
+    def server_closed(self) -> bool:
+        """Whether the server has closed its end: it let go of the stream (its status follows
+        the Frames already sent)."""
+        return bool(self._mm[_CLOSED_AT])
 
     def beat(self) -> None:
         """Tells the server this client is alive (its receiver runs): NOTE [ Ring space ]."""

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.client.errors import DatasetError
+from remote_loader.client.errors import ConnectionLostError, DatasetError
 from remote_loader.protos import shm, slots
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.transports.shm import ShmSender
@@ -235,6 +235,54 @@ def test_an_error_arrives_at_its_position_among_broadcast_slot_batches(
     want[3] = 3  # the batch holding sample 7 fails, at its place; the epoch goes on
     assert results == [want, want]
     assert sorted(slot_frames) == sorted([b for b in range(10) if b != 3] * 2)
+
+
+@pytest.mark.parametrize("retries", [0, 5])
+def test_a_stalled_broadcast_consumer_reading_slots_is_detached(
+    serve_loaders: ServeLoaders, retries: int
+) -> None:
+    # Its leased slots go back when it is detached; should it read one after that, the slot's
+    # generation tells it, and it resumes (or fails with the status's reason), never torn.
+    spec = LoaderSpec(
+        name="blobs",
+        dataset="tests.datasets:Blobs",
+        dataset_kwargs={"n": 40, "nbytes": 1 << 18},
+        batch_size=1,
+        num_workers=2,
+        broadcast_window=2,
+        detach_timeout=1.0,
+    )
+    served = serve_loaders(spec)
+    stalled = RemoteLoader(
+        served.address,
+        sharing="broadcast",
+        rank=2,
+        world_size=3,
+        prefetch=1,
+        retries=retries,
+        device="cpu",
+    )
+    stalled_it = iter(stalled)
+    first = int(next(stalled_it)["index"][0])  # joined; it reads no further while others run
+
+    def consumer(rank: int) -> Callable[[], int]:
+        def consume() -> int:
+            with RemoteLoader(
+                served.address, sharing="broadcast", rank=rank, world_size=3, device="cpu"
+            ) as loader:
+                return sum(1 for _ in loader)
+
+        return consume
+
+    assert run_concurrently(consumer(0), consumer(1)) == [40, 40]  # not held by the stalled one
+    if retries == 0:
+        with pytest.raises(ConnectionLostError, match=r"detached .*detach_timeout"):
+            for _ in stalled_it:
+                pass
+    else:  # resumed from its next batch, a production of its own: nothing lost or repeated
+        rest = [int(b["index"][0]) for b in stalled_it]
+        assert [first, *rest] == list(range(40))
+    stalled.close()
 
 
 def test_an_older_client_that_offers_to_follow_a_board_is_sent_its_batches(

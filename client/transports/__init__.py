@@ -162,6 +162,11 @@ class StreamEnds:
             return self._tcp
         return self._inband
 
+    def server_closed(self) -> bool:
+        """Whether the server has let go of the stream (its status follows the Frames it sent:
+        reading on to it ends soon)."""
+        return self._shm.server_closed()
+
     def beat(self) -> None:
         """The training loop is busy: tells the server, which may be waiting for room on the
         ring or the data connections, that this client is alive all the same."""

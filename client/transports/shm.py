@@ -80,6 +80,12 @@ class ShmEnd:
         try:
             whole = self._slots.view(slot.pid, slot.fd, slot.inode, slot.size)
         except slots.SlotUnavailable as exc:
+            if control.server_closed():
+                # Not a slot this process cannot open: one the server let go of with the
+                # stream (a broadcast consumer detached, its Run's workers gone since).
+                raise BatchReused(
+                    f"{self._what}: batch {meta.batch}: the server let go of the stream ({exc})"
+                ) from exc
             raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
         if ref.offset < slots.SLOT_HEADER or ref.offset + meta.total_bytes > slot.size:
             raise ProtocolError(
@@ -108,6 +114,10 @@ class ShmEnd:
         elif self._control.name != name:
             raise ProtocolError(f"{self._what}: a second control ring in one stream")
         return self._control
+
+    def server_closed(self) -> bool:
+        """Whether the server has let go of the stream (closed its control ring)."""
+        return self._control is not None and self._control.server_closed()
 
     def beat(self) -> None:
         for ring in (self._ring, self._control):
