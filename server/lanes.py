@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from remote_loader.protos import wire
 from remote_loader.server.engine import Delivery
+from remote_loader.server.outgoing import Outgoing
 from remote_loader.server.reorder import Reorderer
 from remote_loader.server.worker import RemoteError
 
@@ -45,27 +45,24 @@ class Entry:
         self._released = False  # the policy is done with it
         self._leases = 0
         self._given_back = False
-        self._frames: list[bytes] | None = None
         self._lock = threading.Lock()
+        # The batch as the send stage takes it (server/outgoing.py); None for an error.
+        self._outgoing = (
+            None
+            if delivery.blob is None
+            else Outgoing(delivery.blob, delivery.header_nbytes, delivery.slot, self.lease)
+        )
 
     @property
     def error(self) -> RemoteError | None:
         return self.delivery.error
 
-    def frames(self, batch: int, chunk_size: int) -> list[bytes]:
-        """The batch as Frames numbered `batch`, built once and kept for every consumer.
-
-        Used by broadcast, where every consumer sends the same entry as the same batch number:
-        the frames are cut once, whatever the number of gRPC consumers.
-        """
-        with self._lock:
-            if self._frames is None:
-                blob = self.delivery.blob
-                assert blob is not None and not self._given_back
-                self._frames = list(
-                    wire.batch_frames(batch, blob, self.delivery.header_nbytes, chunk_size)
-                )
-            return self._frames
+    @property
+    def outgoing(self) -> Outgoing:
+        """The batch for a sender (server/transports/): its bytes, its slot, and `lease`
+        (for an entry without an error)."""
+        assert self._outgoing is not None, "an entry without an error has a blob"
+        return self._outgoing
 
     def lease(self) -> Callable[[], None]:
         """Keeps the worker's slot (and `delivery.blob`) valid past `release` until the

@@ -348,9 +348,9 @@ def _send_epoch(
     while (entry := consumer.next(cancelled)) is not None:
         try:
             if entry.error is not None:
-                yield error_frame(progress.batches, entry)
+                yield error_frame(progress.batches, entry.error)
             else:
-                yield from sender.send(progress.batches, entry, stopped)
+                yield from sender.send(progress.batches, entry.outgoing, stopped)
                 progress.nbytes += entry.nbytes
         except StreamStopped:
             if cancelled.is_set():
