@@ -24,8 +24,8 @@ refused with RESOURCE_EXHAUSTED, as always. So a paused trainer keeps its stream
 likes while the server has room, and for `idle_stream_timeout` s when it has none. A
 RemoteLoader resumes an ABORTED stream from the first batch it did not receive (the batches
 already in its buffers are still delivered first), with the backoff and retries of any broken
-stream; a place is free for it again once some stream ends. Streams that follow a broadcast
-board (server/board.py) or wait for their data connection are never idle: their waits on the
+stream; a place is free for it again once some stream ends. Streams that wait for their data
+connection are never idle: their waits on the
 client have bounds of their own (the client's heartbeat, the accept timeout).
 
 Actors:

@@ -319,15 +319,6 @@ class StreamMetrics:
             self._batches.inc()
             self._bytes.inc(nbytes)
 
-    def sent_many(self, batches: int, nbytes: int, errors: int) -> None:
-        """`batches` of `nbytes` encoded bytes in all, and `errors`, were passed at once (a
-        consumer following its Run's board)."""
-        if errors:
-            self._errors.inc(errors)
-        if batches:
-            self._batches.inc(batches)
-            self._bytes.inc(nbytes)
-
 
 class _Merged:
     """Several loaders' metrics as one set of families (a family per name, all hosts' samples)."""

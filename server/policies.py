@@ -14,7 +14,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from remote_loader.server.board import Board
 from remote_loader.server.errors import clip
 from remote_loader.server.lanes import BroadcastLane, Entry, Lane, QueueLane
 from remote_loader.server.sampling import EpochPlan
@@ -25,10 +24,6 @@ if TYPE_CHECKING:  # membership.py asks the policies what they refuse; run.py ho
     from remote_loader.server.run import Consumer, RunKey
 
 log = logging.getLogger(__name__)
-
-# How often a Run whose lane is full looks at the cursors of the consumers that follow its
-# board, besides being woken by their rings (NOTE [ Broadcast board ]).
-HUNGRY_POLL = 0.01
 
 
 class Policy(abc.ABC):
@@ -124,35 +119,6 @@ class Policy(abc.ABC):
     def batch_index(self, lane: Lane) -> int:
         """The index in the epoch of `lane`'s next task (seeding = "per_batch")."""
         return lane.issued
-
-    # --- a board for same-host consumers (NOTE [ Broadcast board ]; broadcast only) ----------
-
-    def hungry(self) -> bool:
-        """The Run waits for a consumer to pass a batch (its lane is full)."""
-        return False
-
-    def follow_board(self) -> Board:
-        """The Run's board, opened if nobody follows it yet."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def published(self, consumers: list[Consumer]) -> None:
-        """The Run's thread added entries: consumers following the board are woken."""
-        return None
-
-    def reach(self, consumer: Consumer, position: int) -> list[Entry]:
-        """A consumer following the board is done with the positions before `position`:
-        moves its cursor there; returns the entries it passed."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def framed(self, consumer: Consumer, since: int) -> list[Entry]:
-        """The entries from `since` (and the consumer's cursor) on whose records ask for
-        Frames: errors, and batches not in a worker's slot."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def end_of(self, consumer: Consumer) -> int | None:
-        """The position after a board consumer's last batch once it has passed it; None
-        before."""
-        raise TypeError(f"{self.name} sharing has no board")
 
     def _queue_lane(self, rank: int, start: int) -> QueueLane:
         lane = QueueLane(self.spec.in_order, self._window)
@@ -317,8 +283,6 @@ class Broadcast(Policy):
         # has passed), so consumers that start a little apart still share.
         self._holding_for_group = self.key.world_size > 1
         self._started_at = time.monotonic()
-        # The lane is full of batches the slowest consumer has not passed: the Run waits.
-        self._hungry = False
 
     def join(self, membership: Membership, start: int, consumers: list[Consumer]) -> Lane | None:
         if start < self._lane.base:
@@ -343,66 +307,6 @@ class Broadcast(Policy):
     def let_go(self, consumer: Consumer) -> None:
         pass  # its cursor no longer holds the window back: the next make_room retires
 
-    def complete(self) -> bool:
-        complete = super().complete()
-        if complete:
-            self._end_board()
-        return complete
-
-    def follow_board(self) -> Board:
-        lane = self._lane
-        if lane.board is None:
-            made = Board(lane.window)
-            for entry in lane.entries:  # what was made before anyone followed
-                made.publish(entry, lane.base)
-            lane.board = made
-            if lane.complete:
-                self._end_board()
-        return lane.board
-
-    def published(self, consumers: list[Consumer]) -> None:
-        for c in consumers:
-            if c.control is not None:
-                c.control.wake_client()
-
-    def _end_board(self) -> None:
-        lane = self._lane
-        if lane.board is not None:
-            lane.board.end(lane.produced, lane.base)
-
-    def reach(self, consumer: Consumer, position: int) -> list[Entry]:
-        lane = self._lane
-        position = min(position, lane.produced)  # a client cannot pass what was not made
-        if position <= consumer.cursor:
-            return []
-        passed = [lane.entry(p) for p in range(consumer.cursor, position)]
-        consumer.cursor = position
-        consumer.passed(passed)
-        return passed
-
-    def _catch_up(self, consumers: list[Consumer]) -> None:
-        """Moves the cursors of the consumers following the board to their clients' (their
-        streams' threads do at each wake-up, which may be a tick away)."""
-        for c in consumers:
-            if c.control is not None:
-                self.reach(c, c.control.consumed())
-
-    def framed(self, consumer: Consumer, since: int) -> list[Entry]:
-        lane = self._lane
-        positions = range(max(since, consumer.cursor), lane.produced)
-        return [
-            entry
-            for entry in map(lane.entry, positions)
-            if entry.error is not None or entry.delivery.slot is None
-        ]
-
-    def end_of(self, consumer: Consumer) -> int | None:
-        lane = self._lane
-        if not lane.complete:
-            return None
-        self._end_board()  # a Run that failed ends without complete() (NOTE [ Run states ])
-        return lane.produced if consumer.cursor >= lane.produced else None
-
     def lag(self, consumer: Consumer, consumers: list[Consumer]) -> int:
         return max((c.cursor for c in consumers), default=0) - consumer.cursor
 
@@ -415,36 +319,8 @@ class Broadcast(Policy):
             or time.monotonic() - self._started_at >= _seconds(self.spec.group_timeout)
         ):
             self._holding_for_group = False
-        lane = self._lane
-        if lane.backlog() >= lane.window:
-            self._catch_up(consumers)
+        if self._lane.backlog() >= self._lane.window:
             self._retire(consumers)
-        self._ask_for_rings(consumers)
-
-    def _ask_for_rings(self, consumers: list[Consumer]) -> None:
-        """While the lane stays full, the slowest consumers following the board ring their
-        doorbells after each release, so the Run hears at once that it has room; the others,
-        and everyone once there is room, are quiet (NOTE [ Broadcast board ])."""
-        lane = self._lane
-        if not any(c.control is not None for c in consumers):
-            self._hungry = False  # nobody to wait for on a board: the Run polls as usual
-            return
-        full = lane.backlog() >= lane.window and not lane.tasks_done and not self._holding_for_group
-        if not full and not self._hungry:
-            return
-        slowest = min(c.cursor for c in consumers)
-        for c in consumers:
-            if c.control is not None:
-                c.control.ask_for_rings(full and c.cursor == slowest)
-        self._hungry = full
-        if full:
-            # A release stored before the client saw it was asked to ring would not ring: look
-            # once more (and at worst the Run's next poll, HUNGRY_POLL later, sees it).
-            self._catch_up(consumers)
-            self._retire(consumers)
-
-    def hungry(self) -> bool:
-        return self._hungry
 
     def _retire(self, consumers: list[Consumer]) -> None:
         """Retires the entries every consumer has sent, and detaches (removes from

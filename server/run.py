@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from remote_loader.protos import shm
-from remote_loader.server.board import Board
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import (
     POLL_INTERVAL,
@@ -34,7 +32,7 @@ from remote_loader.server.lanes import MIN_LANE_WINDOW, Entry, Lane
 from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.policies import HUNGRY_POLL, Policy, policy_for
+from remote_loader.server.policies import Policy, policy_for
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError
@@ -97,12 +95,7 @@ class Consumer:
         self.waiting_since: float | None = None
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
-        # Following the Run's board (NOTE [ Broadcast board ]): the stream's control ring, where
-        # the Run reads the client's position, asks it to ring while the Run waits on it, and
-        # wakes it when it sleeps for the next record; None: the consumer is sent its batches.
-        self.control: shm.RingWriter | None = None
-        self.passed_nbytes = 0  # encoded bytes of the batches passed on the board
-        self.errors = 0  # errors at batch positions sent or passed (the stream's end line)
+        self.errors = 0  # errors at batch positions sent (the stream's end line)
         # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
         self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
 
@@ -137,40 +130,6 @@ class Consumer:
             )
         if self.detached is not None:
             raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
-
-    def follow_board(self) -> Board:
-        """The board of this consumer's Run, opened now if nobody follows it yet (NOTE
-        [ Broadcast board ]). Raises ShmUnavailable when /dev/shm refuses it, and TypeError for
-        a sharing mode without one."""
-        with self.run.cond:
-            return self.run.policy.follow_board()
-
-    def reach(
-        self, released: int, framed: int
-    ) -> tuple[list[tuple[Entry, Callable[[], None]]], int | None]:
-        """For a consumer that follows its Run's board (server/board.py), with `cond` held:
-        its client is done with the positions before `released`, and has been sent the Frames of
-        those before `framed`. Moves the cursor there and returns (the entries from `framed` on
-        whose records ask for Frames, each leased until the returned function is called; the
-        position after its last batch once its epoch is over, else None). Raises as `next()`
-        does when the consumer gets nothing more."""
-        self._raise_if_let_go()
-        if self.closed:  # let go (its client went): the Run may have retired past its cursor
-            return [], None
-        policy = self.run.policy
-        if policy.reach(self, released) and policy.hungry():
-            self.run.cond.notify_all()  # the Run waits for room in the window
-        frames = [(entry, entry.lease()) for entry in policy.framed(self, framed)]
-        return frames, policy.end_of(self)
-
-    def passed(self, entries: list[Entry]) -> None:
-        """A consumer following the board passed `entries` (its client is done with them)."""
-        self.moved_at = time.monotonic()
-        nbytes = sum(entry.nbytes for entry in entries)  # an error's is 0
-        errors = sum(1 for entry in entries if entry.error is not None)
-        self.passed_nbytes += nbytes
-        self.errors += errors
-        self.metrics.sent_many(len(entries) - errors, nbytes, errors)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
@@ -359,12 +318,9 @@ class Run:
             self._submit(engine)
             if engine.outstanding == 0:
                 if self.policy.complete():
-                    self.policy.published(self.consumers)  # the board's END
                     self.cond.notify_all()
                     return False  # everything is made; the entries stay until sent
-                # A full lane may wait for consumers that follow its board, whose rings can be
-                # missed (NOTE [ Broadcast board ]): look again soon.
-                self.cond.wait(HUNGRY_POLL if self.policy.hungry() else POLL_INTERVAL)
+                self.cond.wait(POLL_INTERVAL)
                 return True
         outcome = engine.poll(POLL_INTERVAL)
         failed: list[tuple[Lane, int, RemoteError]] = []
@@ -382,7 +338,6 @@ class Run:
                         self.metrics.batch_ready(
                             delivery.submitted_at, delivery.received_at, time.monotonic()
                         )
-                self.policy.published(self.consumers)
                 self.cond.notify_all()
         self._log_errors(failed)
         return True

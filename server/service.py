@@ -20,7 +20,6 @@ import grpc
 
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.server import board
 from remote_loader.server.admission import Admission, StreamSlot
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
@@ -284,15 +283,7 @@ class LoaderService:
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-            following = board.following(request, host.spec.num_workers, consumer, sender)
-            if following is not None:
-                start = progress.batches
-                progress.batches, nbytes, ended = yield from board.follow(
-                    consumer, following, sender, cancelled, self.client_silence
-                )
-                progress.board, progress.nbytes = progress.batches - start, nbytes
-            else:
-                ended = yield from _send_epoch(consumer, sender, cancelled, progress, slot)
+            ended = yield from _send_epoch(consumer, sender, cancelled, progress, slot)
             if not ended:
                 return  # cancelled mid-batch; the finally below closes the consumer
             # Detach before the end frame: the last consumer out gives the workers back first,
@@ -331,7 +322,6 @@ class LoaderService:
                     batches=progress.batches - start,
                     bytes=progress.nbytes,
                     **{f"{sender.name}_batches": sender.batches},
-                    **({"board_batches": progress.board} if progress.board else {}),
                     errors=consumer.errors if consumer is not None else 0,
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
@@ -346,7 +336,6 @@ class _Progress:
     batches: int  # the position of the next batch in this consumer's epoch
     nbytes: int = 0  # encoded bytes sent
     completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
-    board: int = 0  # batches the client read off its Run's board (NOTE [ Broadcast board ])
 
 
 def _send_epoch(
@@ -367,11 +356,11 @@ def _send_epoch(
         slot.handing()
         try:
             if entry.error is not None:
-                yield error_frame(progress.batches, entry)
+                yield error_frame(progress.batches, entry.error)
             else:
                 # gRPC resumes this generator once it has written the Frame: the client took
                 # it, and the wait for it to take the next one starts.
-                for frame in sender.send(progress.batches, entry, stopped):
+                for frame in sender.send(progress.batches, entry.outgoing, stopped):
                     yield frame
                     slot.handing()
                 progress.nbytes += entry.nbytes

@@ -92,7 +92,7 @@ def test_without_a_bell_the_server_polls(monkeypatch: pytest.MonkeyPatch) -> Non
     """A client that cannot ring (an older one, or a socket it cannot reach) is still waited
     for: by polling."""
 
-    def unreachable(self: doorbell.Ringer, path: str, *, listen: bool = False) -> None:
+    def unreachable(self: doorbell.Ringer, path: str) -> None:
         raise OSError("cannot connect")
 
     monkeypatch.setattr(doorbell, "BELL_TICK", LONG_TICK)

@@ -108,7 +108,7 @@ FAILING = LoaderSpec(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: the broadcast board on x86
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: slot Frames over shared memory
 def test_a_dataset_error_is_logged_once_and_counted_on_each_stream_end_line(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: str
 ) -> None:

@@ -252,6 +252,18 @@ def test_broadcast_detaches_the_consumer_holding_the_others_for_detach_timeout()
     assert slots.released == [0, 1]  # the window is free again
 
 
+def test_a_broadcast_lane_never_holds_more_than_its_window() -> None:
+    # A batch back before the one due first waits in the reorder buffer, and counts: else the
+    # lane would take a task more than its window allows (moved from test_board.py).
+    lane = BroadcastLane(in_order=True, window=2)
+    lane.begin(iter([[0], [1], [2]]), 0, iterable=False)
+    lane.issued, lane.outstanding = 2, 2  # two tasks submitted
+    lane.outstanding -= 1
+    lane.reorder.put(1, Delivery(blob=memoryview(b"x")))  # task 1 is back before task 0
+    assert list(lane.reorder.ready()) == []
+    assert not lane.wants_task()
+
+
 def test_only_broadcast_shares_entries_and_only_dynamic_has_no_fixed_length() -> None:
     assert [p.shares_entries for p in (Partition, Broadcast, Dynamic)] == [False, True, False]
     assert [p.fixed_length for p in (Partition, Broadcast, Dynamic)] == [True, True, False]

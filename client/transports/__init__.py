@@ -3,10 +3,7 @@
 - base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
   other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
-- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py);
-- board.py: following a broadcast job's board, where a same-host consumer reads which slot holds
-  each batch instead of a Frame per batch, when the server announces one (protos/board.py;
-  only on x86).
+- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py).
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
@@ -22,20 +19,18 @@ from collections.abc import Callable, Iterator
 
 from remote_loader.client.errors import ProtocolError, TransportError
 from remote_loader.client.transports.base import BatchReused, End, InbandEnd, TransportUnusable
-from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
-from remote_loader.protos import board as board_protocol
 from remote_loader.protos import loader_pb2 as pb
 
 # Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
 from remote_loader.protos import shm as shm_protocol
 from remote_loader.protos import slots as slot_protocol
+from remote_loader.protos import wire
 
 __all__ = [
     "BatchReused",
     "End",
-    "Following",
     "InbandEnd",
     "ShmEnd",
     "StreamEnds",
@@ -151,7 +146,6 @@ class StreamEnds:
             required=options.required and tcp_host is not None,
         )
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
-        self._following: Following | None = None
 
     def offer(self, request: pb.StreamRequest) -> None:
         """Writes the offer into the stream's `request`: a shared-memory probe, data
@@ -159,9 +153,6 @@ class StreamEnds:
         offer = self._shm.offer()
         if offer is not None:
             request.shm.CopyFrom(offer)
-            # NOTE [ Broadcast board ]: followed if the server has one, where this machine
-            # keeps the board's loads in order (the server's may be emulated).
-            request.board = board_protocol.ordered_here()
         request.tcp = self._tcp.asked
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
@@ -180,27 +171,15 @@ class StreamEnds:
         self._tcp.connect(meta.tcp_channel)
         return True
 
-    def frames(
-        self,
-        messages: Iterator[bytes],
-        *,
-        call_done: Callable[[], bool],
-        stopped: Callable[[], bool],
-        start: int,
-    ) -> Following:
-        """The stream's (Frame, data) pairs: its gRPC `messages`, or its broadcast board's
-        records once the server announces one (client/transports/board.py)."""
-        self._following = Following(
-            self._what,
-            messages,
-            self._shm,
-            call_done=call_done,
-            answered=self.answered,
-            stopped=stopped,
-            beat=self.beat,
-            start=start,
-        )
-        return self._following
+    def frames(self, messages: Iterator[bytes]) -> Iterator[tuple[pb.Frame, memoryview]]:
+        """The stream's gRPC `messages` as (Frame, data) pairs; each says the server has read
+        the offer. Raises ProtocolError for a message that is not a Frame."""
+        for message in messages:
+            self.answered()
+            try:
+                yield wire.parse_frame(message)
+            except wire.FrameError as exc:
+                raise ProtocolError(f"{self._what}: {exc}") from exc
 
     def carrying(self, meta: pb.Frame) -> End:
         """The end that carries the batch Frame `meta`."""
@@ -218,6 +197,11 @@ class StreamEnds:
             )
         return self._inband
 
+    def server_closed(self) -> bool:
+        """Whether the server has let go of the stream (its status follows the Frames it sent:
+        reading on to it ends soon)."""
+        return self._shm.server_closed()
+
     def beat(self) -> None:
         """The training loop is busy: tells the server, which may be waiting for room on the
         ring or the data connections, that this client is alive all the same."""
@@ -225,7 +209,5 @@ class StreamEnds:
         self._tcp.beat()
 
     def close(self) -> None:
-        if self._following is not None:
-            self._following.close()
         self._shm.close()
         self._tcp.close()

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from remote_loader.protos import tcp, wire
 from remote_loader.server.errors import ClientSilent, DataConnectionLost
-from remote_loader.server.lanes import Entry
-from remote_loader.server.transports.base import DEFAULT_CLIENT_SILENCE, StreamStopped, payload
+from remote_loader.server.outgoing import Outgoing
+from remote_loader.server.transports.base import DEFAULT_CLIENT_SILENCE, StreamStopped
 from remote_loader.server.transports.listener import DataListener
 
 __all__ = ["DataListener", "TcpSender"]
@@ -61,11 +61,11 @@ class TcpSender:
             else None
         )
 
-    def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        view = tcp.as_bytes(payload(entry))
+    def send(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> Iterator[bytes]:
+        view = tcp.as_bytes(outgoing.blob)
         # The Frame announcing that batch `batch` follows on the data connections goes first:
         # the client reads the sockets only once it has it, so the order keeps both from waiting.
-        yield wire.handle_frame(batch, len(view), entry.delivery.header_nbytes, on_tcp=True)
+        yield wire.handle_frame(batch, len(view), outgoing.header_nbytes, on_tcp=True)
         self._write(view, stopped)
 
     def finish(self, stopped: Callable[[], bool]) -> None:
