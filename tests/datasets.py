@@ -349,3 +349,16 @@ def keeping_collate(samples: list[Any]) -> dict[str, Any]:
     batch = torch.utils.data.default_collate(samples)
     _KEPT.append(batch)
     return {"batch": batch, "kept": torch.stack([kept["data"][:, 0] for kept in _KEPT])}
+
+
+class Threads(Dataset[torch.Tensor]):
+    """Each sample is [torch's intra-op thread count, pid] of the process that made it."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([torch.get_num_threads(), os.getpid()])
