@@ -379,3 +379,16 @@ class Gated(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class Threads(Dataset[torch.Tensor]):
+    """Each sample is [torch's intra-op thread count, pid] of the process that made it."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([torch.get_num_threads(), os.getpid()])

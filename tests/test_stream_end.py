@@ -63,7 +63,7 @@ def test_the_last_batch_outlives_its_stream_and_a_heartbeat_the_server_never_rea
             # The stream is over on the server (its handler returned, its sender closed) while
             # nearly all of the last batch is still in the kernel: a close now would reset the
             # connection and drop what the server's buffer holds.
-            assert wait_until(lambda: served.server.service._streams == 0, 10)
+            assert wait_until(lambda: served.server.service.admission.running == 0, 10)
             time.sleep(0.2)
             data = bytearray(last.total_bytes)
             assert tcp.recv_into(sock, memoryview(data), lambda: False)  # all of it
