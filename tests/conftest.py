@@ -196,7 +196,7 @@ def redirect_ray_files() -> RayFiles:
       (else $TMPDIR, else /tmp: /tmp/ray/session_*, never removed). Here a fresh folder of
       this session's, removed at its end. Short, under /tmp: Ray's Unix sockets live in it, and
       a socket path may have at most 107 characters.
-    - ~/.ray/auth_token: Ray 2.52+ turns token authentication on for a new local cluster when
+    - ~/.ray/auth_token: Ray (2.60 here) turns token authentication on for a new local cluster when
       RAY_AUTH_MODE is unset, and writes a new token to that file when it finds none (ray
       _private/authentication/authentication_token_setup.py). A token in RAY_AUTH_TOKEN is
       found first, so none is written, and the tests still run the way a default cluster does:
