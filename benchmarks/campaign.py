@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -59,6 +60,7 @@ if __package__ in (None, ""):  # run as a script: the repository root onto the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bridge import Topology, kill_group
+from benchmarks.netns import _run
 from benchmarks.processes import read_banner
 
 SAMPLES = 512
@@ -98,8 +100,8 @@ def payload(index: int) -> torch.Tensor:
 
 def expected(rank: int, epoch: int) -> list[tuple[int, tuple[int, ...]]]:
     """Rank `rank`'s batches of `epoch`: a local DistributedSampler's, as the server promises."""
-    sampler = torch.utils.data.DistributedSampler(
-        range(SAMPLES), num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED
+    sampler: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(
+        Tagged(), num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED
     )
     sampler.set_epoch(epoch)
     ids = list(sampler)
@@ -162,6 +164,8 @@ class Campaign:
         self.server: subprocess.Popen[str] | None = None
         self.server_up = threading.Event()
         self.host = topo.ip["srv"]
+        self.fault_error = ""
+        self.notes: list[str] = []  # what a scenario's undo saw (nftables' counters)
 
     def start_server(self) -> None:
         argv = [
@@ -182,11 +186,14 @@ class Campaign:
     def run(self, name: str, transport: str) -> Row:
         if self.server is None or self.server.poll() is not None:
             self.start_server()
+        self.notes = []
         undo = self._before(name)
         try:
-            return self._run(name, transport)
+            row = self._run(name, transport)
         finally:
             undo()
+        row.detail = "; ".join([row.detail, *self.notes])
+        return row
 
     def _before(self, name: str) -> Any:
         """Sets up a scenario's standing fault; returns what undoes it."""
@@ -198,10 +205,17 @@ class Campaign:
                 "add table inet cmploss",
                 "add chain inet cmploss in { type filter hook input priority 0 ; }",
                 "add chain inet cmploss out { type filter hook output priority 0 ; }",
-                f"add rule inet cmploss in iifname != lo numgen random mod 100 < {n} drop",
-                f"add rule inet cmploss out oifname != lo numgen random mod 100 < {n} drop",
+                f"add rule inet cmploss in iifname != lo numgen random mod 100 < {n} counter drop",
+                f"add rule inet cmploss out oifname != lo numgen random mod 100 < {n} counter drop",
             )
-            return lambda: topo.nft("srv", "delete table inet cmploss")
+
+            def unloss() -> None:
+                rules = _run(["ip", "netns", "exec", topo.ns["srv"], "nft", "list", "ruleset"])
+                dropped = sum(int(m) for m in re.findall(r"counter packets (\d+)", rules))
+                self.notes.append(f"{dropped} packets dropped")
+                topo.nft("srv", "delete table inet cmploss")
+
+            return unloss
         if name == "delay":
             pairs = [f"{p + RELAY_OFFSET}:{p}" for p in (GRPC_PORT, DATA_PORT)]
             argv = [sys.executable, "-m", "benchmarks.relay", self.host, str(DELAY), *pairs]
@@ -214,21 +228,33 @@ class Campaign:
                     "add chain ip cmpdelay out { type nat hook output priority -100 ; }",
                     *(
                         f"add rule ip cmpdelay out ip daddr {self.host} tcp dport {port} "
-                        f"dnat to {self.host}:{port + RELAY_OFFSET}"
+                        f"counter dnat to {self.host}:{port + RELAY_OFFSET}"
                         for port in (GRPC_PORT, DATA_PORT)
                     ),
                 )
 
             def undo() -> None:
+                # NAT sees a connection's first packet only: the counters count connections.
+                relayed = 0
                 for node in ("t0", "t1"):
+                    rules = _run(["ip", "netns", "exec", topo.ns[node], "nft", "list", "ruleset"])
+                    relayed += sum(int(m) for m in re.findall(r"counter packets (\d+)", rules))
                     topo.nft(node, "delete table ip cmpdelay")
+                self.notes.append(f"{relayed} connections through the relay")
                 kill_group(proc)
 
             return undo
         return lambda: None
 
     def _fault(self, name: str, trainers: dict[int, subprocess.Popen[str]]) -> None:
-        """The mid-epoch fault of `name`, in a thread of its own (the loop goes on reading)."""
+        """The mid-epoch fault of `name`, in a thread of its own (the loop goes on reading); a
+        failure of its own (a server that would not restart) goes into the row's errors."""
+        try:
+            self._inject(name, trainers)
+        except Exception as exc:
+            self.fault_error = f"fault failed: {type(exc).__name__}: {exc}"
+
+    def _inject(self, name: str, trainers: dict[int, subprocess.Popen[str]]) -> None:
         if name == "partition":
             self.topo.link("srv", False)
             time.sleep(PARTITION_SECONDS)
@@ -268,11 +294,13 @@ class Campaign:
         state = {0: "", 1: ""}
         errors: list[str] = []
         via: set[str] = set()
-        bad, resumes, done = 0, 0, set()
+        bad, resumes = 0, 0
+        done: set[int] = set()
         pending: set[int] = set()  # ranks to start again once the server is up
         fault: threading.Thread | None = None
         started = last = time.monotonic()
         hang = ""
+        self.fault_error = ""
         try:
             while len(done) < WORLD:
                 now = time.monotonic()
@@ -318,6 +346,7 @@ class Campaign:
             for proc in trainers.values():
                 kill_group(proc)
         seconds = time.monotonic() - started
+        errors += [self.fault_error] if self.fault_error else []
         return self._judge(name, transport, received, bad, errors, resumes, via, hang, seconds)
 
     @staticmethod
