@@ -16,6 +16,7 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,8 +39,10 @@ class Topology:
 
     def __init__(self, names: Sequence[str]) -> None:
         check_prerequisites(rate=None)
-        if not _exists(["nft", "--version"]):
+        if shutil.which("nft") is None:
             raise NetnsError("nft not found on PATH (apt-get install nftables)")
+        if not 1 <= len(names) <= 6:
+            raise ValueError(f"a /29 holds 1 to 6 nodes, got {len(names)}")
         self.tag = secrets.token_hex(3)
         self.bridge = f"cmp{self.tag}br"
         self.names = list(names)
