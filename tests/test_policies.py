@@ -283,7 +283,7 @@ def test_broadcast_detaches_the_consumer_holding_the_others_for_detach_timeout()
 
 def test_a_broadcast_lane_never_holds_more_than_its_window() -> None:
     # A batch back before the one due first waits in the reorder buffer, and counts: else the
-    # lane would take a task more than its window allows (moved from test_board.py).
+    # lane would take a task more than its window allows.
     lane = BroadcastLane(in_order=True, window=2)
     lane.begin(iter([[0], [1], [2]]), 0, iterable=False)
     lane.issued, lane.outstanding = 2, 2  # two tasks submitted
