@@ -29,7 +29,7 @@ from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
-from remote_loader.server.policies import policy_for
+from remote_loader.server.policies import admit, policy_for
 from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import (
     Batching,
@@ -254,7 +254,7 @@ class LoaderHost:
 
     def check(self, membership: Membership) -> None:
         """Raises SharingError when this loader refuses `membership`."""
-        membership.check(self.spec, self.batching.is_iterable)
+        admit(membership, self.spec, self.batching.is_iterable)
 
     def attach(
         self,

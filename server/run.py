@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import (
@@ -31,8 +32,8 @@ from remote_loader.server.errors import (
 from remote_loader.server.lanes import MIN_LANE_WINDOW, Entry, Lane
 from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import Membership
-from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.policies import Policy, policy_for
+from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.policies import Policy, Seat, policy_for
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError
@@ -51,9 +52,9 @@ log = logging.getLogger(__name__)
 #             ended; entries wait for their consumers.
 #   failed    the engine broke: `fatal` (the workers cannot start: every next() raises) or one
 #             error entry at each open lane's next position. The thread ends as in `made`.
-#   closing   the last consumer detached, or the server is shutting down
-#             (`closed_by_server`). No consumer attaches, nothing more is submitted, the thread
-#             leaves at its next step and gives the engine back (end_epoch).
+#   closing   the last consumer detached, or the server is shutting down (`close(reason)`
+#             sets `closed_by_server`). No consumer attaches, nothing more is submitted, the
+#             thread leaves at its next step and gives the engine back (end_epoch).
 #   closed    `wait_closed()` joined the thread; every entry left is dropped.
 #
 # Invariants:
@@ -78,44 +79,53 @@ class LeaseAbandoned(Exception):
 
 
 class Consumer:
-    """One stream's handle on its Run: `next()` an entry, send it, `done()` with it."""
+    """One stream's handle on its Run: `next()` an entry, send it, `done()` with it.
 
-    def __init__(self, run: Run, membership: Membership, lane: Lane, start: int) -> None:
+    What it keeps is what every sharing mode needs; what one mode keeps per consumer is its
+    policy's (`seat`, server/policies.py). `on_close(consumer, join)` is the registry's
+    (Runs._detach): `join` waits (bounded) for a Run this ends to end."""
+
+    def __init__(
+        self,
+        run: Run,
+        membership: Membership,
+        seat: Seat,
+        on_close: Callable[[Consumer, bool], None],
+    ) -> None:
         self.run = run
         self.membership = membership
-        self.lane = lane
-        self.moved_at = time.monotonic()
-        self.closed = False
-        self.detached: str | None = None  # why the Run let go of this consumer
-        # The policy's per-consumer state (server/policies.py): broadcast, the lane position
-        # this consumer reads next; partition and dynamic, the entries it took and has not
-        # sent yet; dynamic, since when it has waited with only peers' batches left.
-        self.cursor = start
-        self.holding: list[Entry] = []
-        self.waiting_since: float | None = None
+        self.seat = seat
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
         self.errors = 0  # errors at batch positions sent (the stream's end line)
-        # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
-        self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
+        self._on_close = on_close
+        # Both set by the Run, under its `cond`: the Run has let go of this consumer (next()
+        # returns None), and why, if the consumer did not ask to go (next() raises it).
+        self._closed = False
+        self._detached: str | None = None
+
+    @property
+    def detached(self) -> str | None:
+        """Why the Run let go of this consumer while it still read (None: it did not)."""
+        return self._detached
 
     def next(self, cancelled: threading.Event) -> Entry | None:
         """The next entry to send, or None at the end of this consumer's epoch (or once
         `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
         run = self.run
         asked = time.monotonic()
-        self.waiting_since = None
         with run.cond:
+            run.policy.asking(self.seat)
             while True:
                 self._raise_if_let_go()
-                if self.closed or cancelled.is_set():
+                if self._closed or cancelled.is_set():
                     return None
-                entry = run.policy.take(self)
+                entry = run.policy.take(self.seat)
                 if entry is not None:
                     self._taken_at = time.monotonic()
                     self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
                     return entry
-                if run.policy.finished(self):
+                if run.policy.finished(self.seat):
                     return None
                 run.cond.wait(POLL_INTERVAL)
 
@@ -128,16 +138,15 @@ class Consumer:
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
                 f"{e.message}\nOriginal {e.traceback.rstrip()}"
             )
-        if self.detached is not None:
-            raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
+        if self._detached is not None:
+            raise (ClosingError if run.closed_by_server else DetachedError)(self._detached)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
         run = self.run
         self.metrics.sending(time.monotonic() - self._taken_at)
         with run.cond:
-            self.moved_at = time.monotonic()
-            run.policy.done(self, entry)
+            run.policy.done(self.seat, entry)
             run.cond.notify_all()
 
     def sent(self, entry: Entry) -> None:
@@ -157,6 +166,17 @@ class Consumer:
         not wait, not even for a lock. The stream's own `close()` in its handler does the
         waiting."""
         self._on_close(self, False)
+
+    def dismiss(self, why: str) -> None:
+        """The Run lets go of this consumer while it still reads (with `cond` held): its next
+        `next()` raises `why`."""
+        self._detached = why
+
+    def mark_closed(self) -> bool:
+        """The Run lets go of this consumer (with `cond` held); False if it already had, so
+        what the consumer held is settled once."""
+        first, self._closed = not self._closed, True
+        return first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +206,7 @@ class Run:
         lease: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
+        on_close: Callable[[Consumer, bool], None],
         start: int = 0,
         metrics: LoaderMetrics | None = None,
     ) -> None:
@@ -194,6 +215,7 @@ class Run:
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
         self._lease = lease
+        self._on_close = on_close  # each Consumer's (Consumer.close, Consumer.let_go)
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
         self.closing = False
@@ -206,8 +228,14 @@ class Run:
         self._window = MIN_LANE_WINDOW  # a queue lane's, from the engine's max_outstanding
         # The lanes and who reads what; a queue lane's window is set again once the engine
         # (and its max_outstanding) is known.
-        self.policy: Policy = policy_for(key.sharing)(
-            key, spec, plan, iterable=iterable, start=start, window=MIN_LANE_WINDOW
+        self.policy: Policy[Any] = policy_for(key.sharing)(
+            key,
+            spec,
+            plan,
+            iterable=iterable,
+            start=start,
+            window=MIN_LANE_WINDOW,
+            detach=self._dismiss,
         )
         self._thread = threading.Thread(
             target=self._produce,
@@ -230,10 +258,10 @@ class Run:
         with self.cond:
             if self.closing:
                 return None
-            lane = self.policy.join(membership, start, self.consumers)
-            if lane is None:
+            seat = self.policy.join(membership, start)
+            if seat is None:
                 return None
-            consumer = Consumer(self, membership, lane, start)
+            consumer = Consumer(self, membership, seat, self._on_close)
             self.consumers.append(consumer)
             self.cond.notify_all()
             return consumer
@@ -241,16 +269,44 @@ class Run:
     def detach(self, consumer: Consumer) -> bool:
         """Lets go of `consumer`; True when it was the last one and the Run is now closing."""
         with self.cond:
-            if consumer.closed:
+            if not consumer.mark_closed():
                 return False
-            consumer.closed = True
             if consumer in self.consumers:
                 self.consumers.remove(consumer)
-            self.policy.let_go(consumer)
+            self.policy.let_go(consumer.seat)
             if not self.consumers:
                 self.closing = True
             self.cond.notify_all()
             return self.closing
+
+    def close(self, reason: str) -> None:
+        """Ends the Run for the server's reason (shutdown): every consumer's stream fails with
+        `reason` (ClosingError), and the thread leaves at its next step (`wait_closed`)."""
+        with self.cond:
+            self.closing = self.closed_by_server = True
+            consumers = list(self.consumers)
+            for consumer in consumers:
+                consumer.dismiss(reason)
+            self.cond.notify_all()
+        for consumer in consumers:
+            self.detach(consumer)
+
+    def lags(self) -> list[ConsumerRow]:
+        """Each consumer served and how many batches it is behind (for metrics)."""
+        with self.cond:
+            return [
+                (c.membership.job, c.membership.sharing, c.membership.rank, self.policy.lag(c.seat))
+                for c in self.consumers
+            ]
+
+    def _dismiss(self, seat: Seat, why: str) -> None:
+        """The policy let go of the consumer in `seat` (with `cond` held): it is served no more,
+        and its stream ends with `why` (DetachedError)."""
+        for consumer in self.consumers:
+            if consumer.seat is seat:
+                consumer.dismiss(why)
+                self.consumers.remove(consumer)
+                return
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Waits until the Run's thread has given its engine back, then drops what is left;
@@ -376,7 +432,7 @@ class Run:
         while engine.outstanding < engine.max_outstanding:
             for i in range(n):
                 lane = lanes[(self._turn + i) % n]
-                self.policy.make_room(lane, self.consumers)
+                self.policy.make_room(lane)
                 if lane.wants_task():
                     self._turn = (self._turn + i + 1) % n
                     break

@@ -131,12 +131,12 @@ class Runs:
                         plan,
                         lambda give_up: self._lease(membership.job, give_up),
                         iterable=self._iterable,
+                        on_close=self._detach,
                         start=start,
                         metrics=self.metrics,
                     )
                     consumer = run.try_attach(membership, start)
                     assert consumer is not None
-                    consumer._on_close = self._detach
                     self._runs.setdefault(key, []).append(run)
                     run.start()
         return consumer
@@ -146,7 +146,6 @@ class Runs:
         for run in reversed(self._runs.get(key, [])):
             consumer = run.try_attach(membership, start)
             if consumer is not None:
-                consumer._on_close = self._detach
                 return consumer
         return None
 
@@ -189,13 +188,7 @@ class Runs:
         """Each attached consumer and how many batches it is behind (for metrics): broadcast,
         behind the job's fastest consumer; partition and dynamic, its lane's batches made and
         not yet sent (a dynamic job's consumers share one lane)."""
-        rows: list[ConsumerRow] = []
-        for run in self.active():
-            with run.cond:
-                for c in run.consumers:
-                    m = c.membership
-                    rows.append((m.job, m.sharing, m.rank, run.policy.lag(c, run.consumers)))
-        return rows
+        return [row for run in self.active() for row in run.lags()]
 
     def close(self) -> None:
         """Ends every Run (server shutdown): consumers see the end of their stream."""
@@ -203,14 +196,7 @@ class Runs:
             runs = [run for runs in self._runs.values() for run in runs]
             self._runs.clear()
         for run in runs:
-            with run.cond:
-                run.closing = run.closed_by_server = True
-                for consumer in run.consumers:
-                    consumer.detached = f"loader {self.spec.name!r} is shutting down mid-epoch"
-                consumers = list(run.consumers)
-                run.cond.notify_all()
-            for consumer in consumers:
-                run.detach(consumer)
+            run.close(f"loader {self.spec.name!r} is shutting down mid-epoch")
         for run in runs:
             run.wait_closed(timeout=10.0)
         self._let_go.put(None)
