@@ -26,6 +26,7 @@ from remote_loader.server.host import LoaderHost
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
+from tests.unit_guard import pytest_runtest_protocol  # noqa: F401  (the `unit` mark's guard)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
@@ -101,6 +102,7 @@ def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
     assert all(line.strip() for line in result.stderr.splitlines()), result.stderr
 
 
+@pytest.mark.unit
 def test_progress_into_a_pipe_is_plain_lines() -> None:
     read, write = os.pipe()  # not a terminal, as when the demo's output is piped or logged
     with os.fdopen(read) as reader, os.fdopen(write, "w") as writer:
@@ -120,6 +122,7 @@ def test_progress_into_a_pipe_is_plain_lines() -> None:
     assert len(lines) == 3
 
 
+@pytest.mark.unit
 def test_plain_progress_shows_a_line_every_interval() -> None:
     out = io.StringIO()
     bar = PlainProgress("trainer 0", out, interval=0.0)  # every update is past the interval

@@ -163,6 +163,7 @@ def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
     assert [end["loader"] for end in _aborted(caplog)] == ["blobs"]
 
 
+@pytest.mark.unit
 def test_idle_stream_timeout_is_a_setting_of_seconds() -> None:
     env = {"REMOTE_LOADER_IDLE_STREAM_TIMEOUT": "2.5"}
     assert resolve_settings({"idle_stream_timeout": 5}, env).idle_stream_timeout == 2.5

@@ -48,6 +48,7 @@ def test_serve_refuses_a_broken_len_at_start(tmp_path: Path) -> None:
     assert "serving" not in result.stdout
 
 
+@pytest.mark.unit
 def test_map_style_without_len_needs_a_sampler() -> None:
     ctx = multiprocessing.get_context("forkserver")  # only stored: no worker starts
     spec = LoaderSpec(name="a", dataset="tests.lengths:NoLen")

@@ -199,6 +199,7 @@ def test_the_worker_gauges_exist_from_start_up_for_every_loader(
     assert prefetch == {"inline": None, "pooled": 3, "persistent": 2, "auto": 2}
 
 
+@pytest.mark.unit
 def test_metrics_max_consumers_is_a_setting() -> None:
     env = {"REMOTE_LOADER_METRICS_MAX_CONSUMERS": "8"}
     assert resolve_settings({"metrics_max_consumers": 4}, env).metrics_max_consumers == 8

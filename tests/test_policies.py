@@ -30,6 +30,8 @@ from remote_loader.server.run import Consumer, Run, RunKey
 from remote_loader.server.sampling import EpochPlan, share
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 EPOCH = [[i] for i in range(8)]
 
 

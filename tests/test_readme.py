@@ -87,6 +87,7 @@ def _extra(name: str) -> list[str]:
     return extras[name]
 
 
+@pytest.mark.unit
 def test_install_commands_work_from_a_clone() -> None:
     # The project is installed from its repository: no package index has "remote-loader".
     printed = [ROOT / "README.md"]

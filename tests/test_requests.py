@@ -106,6 +106,7 @@ def specs(draw: st.DrawFn) -> LoaderSpec:
     world_size=st.integers(1, 40),
     drop_last=st.booleans(),
 )
+@pytest.mark.unit
 def test_deal_interleaves_every_ranks_distributed_sampler_share(
     items: list[int], world_size: int, drop_last: bool
 ) -> None:
@@ -116,6 +117,7 @@ def test_deal_interleaves_every_ranks_distributed_sampler_share(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs(), data=st.data())
+@pytest.mark.unit
 def test_the_linear_resharding_plan_equals_the_per_rank_one(
     spec: LoaderSpec, data: st.DataObject
 ) -> None:

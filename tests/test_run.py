@@ -22,6 +22,8 @@ from remote_loader.server.sampling import EpochPlan, share
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 NEVER = threading.Event()  # a stream that is never cancelled
 CEILING = 30.0  # a bound for waits that take milliseconds (a busy machine takes longer)
 

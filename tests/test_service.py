@@ -55,6 +55,7 @@ def test_loader_names_are_checked(start_server: StartServer) -> None:
         RemoteLoader(address, "nope")
 
 
+@pytest.mark.unit
 def test_unreachable_server_fails_clearly() -> None:
     with pytest.raises(ConnectionLostError, match=r"no answer from 127\.0\.0\.1:1 within 0\.5 s"):
         RemoteLoader("127.0.0.1:1", connect_timeout=0.5)

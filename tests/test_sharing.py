@@ -88,6 +88,7 @@ def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[i
 @pytest.mark.parametrize("n", [0, 1, 5, 12, 13])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.unit
 def test_share_splits_like_distributed_sampler(n: int, world_size: int, drop_last: bool) -> None:
     items = [f"item{i}" for i in range(n)]
     shares = [share(items, r, world_size, drop_last) for r in range(world_size)]

@@ -54,12 +54,14 @@ SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
         ("[::1:5", None),
     ],
 )
+@pytest.mark.unit
 def test_the_data_connection_goes_to_the_host_of_the_grpc_target(
     target: str, host: str | None
 ) -> None:
     assert tcp.target_host(target) == host
 
 
+@pytest.mark.unit
 def test_the_data_listener_goes_on_the_grpc_host_unless_told() -> None:
     assert resolve_data_address("auto", "0.0.0.0:50051") == "0.0.0.0:0"
     assert resolve_data_address("auto", "[::]:50051") == "[::]:0"
@@ -307,6 +309,7 @@ def test_serve_data_address_flag() -> None:
         assert code == 0, err
 
 
+@pytest.mark.unit
 def test_recv_into_says_what_broke() -> None:
     left, right = socket.socketpair()
     with left, right:
@@ -326,6 +329,7 @@ def test_recv_into_says_what_broke() -> None:
         assert not tcp.recv_into(left, memoryview(bytearray(4)), stop.is_set)
 
 
+@pytest.mark.unit
 def test_send_stops_when_asked_while_the_reader_does_not_read() -> None:
     left, right = socket.socketpair()
     with left, right:

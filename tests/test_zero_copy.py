@@ -76,6 +76,7 @@ def broadcast(
 # --- the seqlock and the maps ----------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_generation_tells_a_whole_batch_from_a_slot_rewritten_under_a_copy(
     tmp_path: Any,
 ) -> None:
@@ -106,6 +107,7 @@ def test_the_generation_tells_a_whole_batch_from_a_slot_rewritten_under_a_copy(
         os.close(fd)
 
 
+@pytest.mark.unit
 def test_a_slot_map_refuses_a_descriptor_that_is_not_the_named_file(tmp_path: Any) -> None:
     (tmp_path / "a").write_bytes(bytes(128))
     fd = os.open(tmp_path / "a", os.O_RDONLY)
