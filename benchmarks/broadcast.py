@@ -2,15 +2,15 @@
 
 With `sharing="broadcast"` every consumer of a job receives the identical sequence of batches,
 and each batch is loaded, collated and encoded once for all of them; only handing it over is
-paid per consumer (same host, zero-copy: the consumers read it off their job's board, NOTE [
-Broadcast board ], and the server only follows their positions; over a data connection: the
-kernel's copy into the socket). This benchmark starts `remote-loader serve` as a separate
-process (persistent workers) on a workload from benchmarks/workloads.py (or the built-in demo
-image folder) and max(`--consumers`) consumer processes (spawn), each a `RemoteLoader` on the
-CPU with `--transport` ("auto": shared memory here; "tcp": a data connection, as from another
-host), holding each batch `--step-ms` (a trainer's step; 0: reading as fast as it can). After
-one untimed warm-up epoch read by all of them, every round reads `--epochs` epochs as a fresh
-production (a job name of its own) for 1 consumer and then for each N of `--consumers`:
+paid per consumer (same host, zero-copy: a small Frame per batch naming the worker's slot, which
+each consumer copies out itself; over a data connection: the kernel's copy into the socket).
+This benchmark starts `remote-loader serve` as a separate process (persistent workers) on a
+workload from benchmarks/workloads.py (or the built-in demo image folder) and max(`--consumers`)
+consumer processes (spawn), each a `RemoteLoader` on the CPU with `--transport` ("auto": shared
+memory here; "tcp": a data connection, as from another host), holding each batch `--step-ms` (a
+trainer's step; 0: reading as fast as it can). After one untimed warm-up epoch read by all of
+them, every round reads `--epochs` epochs as a fresh production (a job name of its own) for 1
+consumer and then for each N of `--consumers`:
 
   (a) 1 consumer:  sharing="broadcast", world_size=1
   (b) N consumers: sharing="broadcast", world_size=N, ranks 0..N-1, one job

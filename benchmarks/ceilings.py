@@ -9,7 +9,9 @@ loopback or, with compare.py --cross-host, between the namespaces of benchmarks/
   process; GB/s per round of `batches` messages. One figure for every workload: gRPC moves a
   batch in such frames whatever its size.
 - **raw socket** (`tcp`): a sender process `sendall`s batch-sized buffers (filled, so that no
-  zero page is sent) on one TCP connection; this process `recv_into`s each into one
+  zero page is sent) on one TCP connection (with compare.py --tls, one TLS connection, wrapped
+  with the ssl contexts a TLS server's data listener and a TLS client's data connection use,
+  and the raw grpcio call is TLS too); this process `recv_into`s each into one
   preallocated, touched buffer. Both sockets get protos/tcp.py's `tune()` (4 MiB buffers each
   way, no Nagle), as the data connection's do. GB/s per round; a round moves `batches` batches,
   or enough of them for MIN_ROUND_BYTES when batches are small (per-call overhead dominates).
@@ -26,8 +28,8 @@ loopback or, with compare.py --cross-host, between the namespaces of benchmarks/
 Run as a script, this file is the ceilings' server processes (compare.py starts them, inside
 the server namespace with --cross-host):
 
-    python benchmarks/ceilings.py grpc-server HOST     # raw grpcio: prints its port
-    python benchmarks/ceilings.py socket-sender HOST   # raw socket: prints its port
+    python benchmarks/ceilings.py grpc-server HOST [--tls CERT KEY]    # raw grpcio: its port
+    python benchmarks/ceilings.py socket-sender HOST [--tls CERT KEY]  # raw socket: its port
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,9 @@ import grpc
 import numpy as np
 import torch
 
+from remote_loader.client import TLS
 from remote_loader.protos import tcp
+from remote_loader.server.auth import load_tls
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package on the path
@@ -94,13 +98,15 @@ class Ceilings:
     socket: dict[str, list[float]]
     memcpy: dict[str, list[float]]
     h2d: dict[str, list[float]] | None
+    tls: bool = False  # the raw grpcio and socket ceilings spoke TLS (--tls)
 
     def of(self, workload: str, transport: str) -> tuple[str, float] | None:
         """The ceiling of a transport ("grpc", "tcp", "shm") for a workload: name, median GB/s."""
         if transport == "grpc":
-            return "raw grpcio", statistics.median(self.grpc)
+            return "raw grpcio" + " (TLS)" * self.tls, statistics.median(self.grpc)
         if transport == "tcp":
-            return "raw socket", statistics.median(self.socket[workload])
+            raw = "raw TLS socket" if self.tls else "raw socket"
+            return raw, statistics.median(self.socket[workload])
         if transport == "shm":
             return "memcpy", statistics.median(self.memcpy[workload])
         return None
@@ -136,12 +142,14 @@ def measure(
             h2d_rates[name] = h2d_ceiling(nbytes)
             bar.update()
     where = "loopback" if place.link is None else "between the namespaces"
-    return Ceilings(where, sizes, grpc_rates, socket_rates, memcpy_rates, h2d_rates)
+    tls = place.tls is not None
+    return Ceilings(where, sizes, grpc_rates, socket_rates, memcpy_rates, h2d_rates, tls)
 
 
 def _start(role: str, place: Placement) -> tuple[subprocess.Popen[str], int]:
     """This file as the `role` server process where `place` says; the process and its port."""
-    argv = place.wrap([sys.executable, str(Path(__file__).resolve()), role, place.host])
+    tls = [] if place.tls is None else ["--tls", str(place.tls.cert), str(place.tls.key)]
+    argv = place.wrap([sys.executable, str(Path(__file__).resolve()), role, place.host, *tls])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=subprocess_env())
     return proc, banner_port(read_banner(proc, f"the {role} process"), f"the {role} process")
 
@@ -149,7 +157,7 @@ def _start(role: str, place: Placement) -> tuple[subprocess.Popen[str], int]:
 # --- raw grpcio ----------------------------------------------------------------------------------
 
 
-def grpc_server(host: str) -> int:
+def grpc_server(host: str, tls: Sequence[str] | None = None) -> int:
     """`grpc-server`: streams N messages of RAW_MESSAGE_BYTES (N is the request) until SIGTERM."""
     payload = bytes(RAW_MESSAGE_BYTES)
 
@@ -163,7 +171,11 @@ def grpc_server(host: str) -> int:
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port(f"{host}:0")
+    if tls is None:
+        port = server.add_insecure_port(f"{host}:0")
+    else:
+        cert, key = (Path(path).read_bytes() for path in tls)
+        port = server.add_secure_port(f"{host}:0", grpc.ssl_server_credentials([(key, cert)]))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -182,7 +194,13 @@ def grpc_ceiling(batches: int, rounds: int, place: Placement, bar: Bar) -> list[
     rates = []
     try:
         options = [("grpc.max_receive_message_length", 2 * RAW_MESSAGE_BYTES)]
-        with grpc.insecure_channel(f"{place.host}:{port}", options=options) as channel:
+        target = f"{place.host}:{port}"
+        if place.tls is None:
+            channel = grpc.insecure_channel(target, options=options)
+        else:
+            ca = grpc.ssl_channel_credentials(place.tls.ca.read_bytes())
+            channel = grpc.secure_channel(target, ca, options=options)
+        with channel:
             # No serializers: bytes in, bytes out, as the server's generic handler.
             call = channel.unary_stream(
                 RAW_METHOD, request_serializer=None, response_deserializer=None
@@ -216,14 +234,19 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def socket_sender(host: str) -> int:
+def socket_sender(host: str, tls: Sequence[str] | None = None) -> int:
     """`socket-sender`: for each request (batches, bytes) on its one connection, sends that many
-    batch-sized buffers; exits when the receiver closes (or on SIGTERM)."""
+    batch-sized buffers; exits when the receiver closes (or on SIGTERM). With `tls` (certificate
+    and key files), over TLS with the context a TLS server's data listener uses."""
     with socket.create_server((host, 0)) as listener:
         print(f"raw socket: serving on port {listener.getsockname()[1]}", flush=True)
         conn, _ = listener.accept()
+    tcp.tune(conn)  # as the server's end of a data connection
+    if tls is not None:
+        server_tls = load_tls(tls[0], tls[1], None)
+        assert server_tls is not None and server_tls.data_context is not None
+        conn = server_tls.data_context.wrap_socket(conn, server_side=True)
     with conn:
-        tcp.tune(conn)  # as the server's end of a data connection
         payload = bytearray()
         request = memoryview(bytearray(REQUEST.size))
         while _recv_exactly(conn, request):
@@ -247,6 +270,9 @@ def socket_ceiling(
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             tcp.tune(sock)  # before connecting, as the client's end of a data connection
             sock.connect((place.host, port))
+            if place.tls is not None:  # as a TLS client's data connection
+                context = TLS(ca=place.tls.ca).data_context()
+                sock = context.wrap_socket(sock, server_hostname=place.host)
             for name, nbytes in sizes.items():
                 view = memoryview(bytearray([1]) * nbytes)  # preallocated and touched, reused
                 count = max(batches, math.ceil(MIN_ROUND_BYTES / nbytes))
@@ -310,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("role", choices=["grpc-server", "socket-sender"])
     parser.add_argument("host", help="the address to listen on (port: a free one)")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="speak TLS")
     args = parser.parse_args(argv)
     if args.role == "grpc-server":
-        return grpc_server(args.host)
-    return socket_sender(args.host)
+        return grpc_server(args.host, args.tls)
+    return socket_sender(args.host, args.tls)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ There is no `shm` row: shared memory between the two is exactly what the namespa
 `--link-rate RATE` (10gbit, 1gbit, ...) shapes both directions of the veth pair with tc's token
 bucket filter, so the rows and the raw socket ceiling see a link of that rate.
 
+`--tls`: every server speaks TLS with a throwaway CA and certificate (benchmarks/tlsfiles.py):
+the loader server (so the `tcp` row is its TLS data connections, `grpc` TLS gRPC) and the raw
+ceilings (raw grpcio over TLS; one raw TLS socket, wrapped as the data connections are).
+
 `--train-step`: the client loop behaves like a trainer's on a CPU box: after each batch it does a
 fixed amount of CPU work on its first tensor (`x.float().div_(255)` and a sum: one pass to widen
 a uint8 image batch to float, one to scale it, one to reduce it), with torch's default intra-op
@@ -61,7 +65,7 @@ Run from the repository root:
                                  [--workloads images,heavy,demo] [--plot FILE.png]
                                  [--train-step] [--client-threads N]
     python benchmarks/compare.py --quick        # smoke run: 10 batches, 1 round
-    sudo python benchmarks/compare.py --cross-host [--link-rate 10gbit]
+    sudo python benchmarks/compare.py --cross-host [--link-rate 10gbit] [--tls]
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
-from remote_loader.client import RemoteLoader
+from remote_loader.client import TLS, RemoteLoader
 from remote_loader.server.datasets import DEMO_CLASSES, DEMO_DATASET, DEMO_PER_CLASS, demo_folder
 from remote_loader.server.spec import resolve
 
@@ -93,7 +97,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import ceilings, netns, report  # noqa: E402
+from benchmarks import ceilings, netns, report, tlsfiles  # noqa: E402
 from benchmarks.measure import Side, run_epoch, step_alone, touch, train_step  # noqa: E402
 from benchmarks.processes import (  # noqa: E402
     Placement,
@@ -228,8 +232,9 @@ def compare(name: str, args: argparse.Namespace, place: Placement, bar: tqdm[Any
     def epoch(what: str) -> None:
         bar.set_description(f"{name}: {what}")
 
+    tls = None if place.tls is None else TLS(ca=place.tls.ca)
     remote_loaders = {
-        label: RemoteLoader(server.address, device="cpu", transport=transport)
+        label: RemoteLoader(server.address, device="cpu", transport=transport, tls=tls)
         for label, transport in labels.items()
         if transport is not None
     }
@@ -320,6 +325,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --cross-host: shape both directions of the veth pair to RATE (tc tbf), "
         "e.g. 10gbit, 1gbit",
     )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="every server speaks TLS (a throwaway CA and certificate): the remote loaders, "
+        "their data connections, and the raw grpcio and socket ceilings",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 batches, 1 round")
     return parser
 
@@ -367,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cross_host:
             place = Placement(netns.Link.create(rate=args.link_rate))
+        if args.tls:
+            place = Placement(place.link, tlsfiles.make(place.host))
         where = place.describe() if place.link is None else place.link.describe()
         print(
             f"DataLoader in-process vs RemoteLoader {place.describe()}: {settings} "
@@ -393,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if place.link is not None:
             place.link.close()
+        if place.tls is not None:
+            tlsfiles.remove(place.tls)
     print(report.table(results, top, args.rounds))
     print(f"\nload average at end {_loadavg()}")
     if args.plot is not None:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from benchmarks.netns import Link
+from benchmarks.tlsfiles import TlsFiles
 from remote_loader.server.cli import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,8 @@ class Placement:
     inside its network namespace with a private /dev/shm, on its address (benchmarks/netns.py)."""
 
     link: Link | None = None
+    # TLS for every server started here (`--tls`): its files; None: plaintext.
+    tls: TlsFiles | None = None
 
     @property
     def host(self) -> str:
@@ -94,6 +97,8 @@ def serve_at(place: Placement, flags: Sequence[str]) -> Served:
     and the data listener ("auto": the --address host, a free port) on the namespace's address,
     logging at INFO into a file (its lines would interleave with a progress bar) for the "stream
     start ... transport=" lines that `Served.stop` counts; the file is printed if it fails."""
+    if place.tls is not None:
+        flags = [*flags, *place.tls.serve_flags()]
     if place.link is None:
         return Served(*start_server(flags))
     argv = [

@@ -12,6 +12,7 @@ from remote_loader.client.errors import (
     RequestError,
     ServerBusyError,
     ServerError,
+    TransportError,
 )
 from remote_loader.client.loader import RemoteLoader
 from remote_loader.client.security import TLS
@@ -30,4 +31,5 @@ __all__ = [
     "RequestError",
     "ServerBusyError",
     "ServerError",
+    "TransportError",
 ]

@@ -75,15 +75,18 @@ class EpochIterator(Iterator[Any]):
         transports = Transports(
             what,
             use_shm=owner.transport == "auto",
-            # A TLS client keeps its batches inside TLS (the data connection is plaintext).
+            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
             tcp_host=(
                 tcp.target_host(owner.address)
-                if owner.transport != "grpc" and owner.tls is None and not owner._no_data_connection
+                if owner.transport != "grpc" and not owner._no_data_connection
                 else None
             ),
             data_connections=owner.data_connections,
             on_tcp_failed=owner._data_connection_failed,
             slot_maps=owner._slot_maps,
+            tcp_tls=owner._data_tls,
+            tcp_server_name=owner.tls.server_name if owner.tls is not None else None,
+            tcp_required=owner.transport == "tcp",
         )
         self._receiver = Receiver(
             open_stream,

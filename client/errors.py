@@ -67,6 +67,12 @@ class LoaderTimeoutError(RemoteLoaderError, TimeoutError):
     """No batch arrived within the RemoteLoader's `timeout`."""
 
 
+class TransportError(RemoteLoaderError):
+    """transport="tcp" was asked for and the stream cannot have it: the server offers no data
+    connection (data_address "off", another version), or it could not be made (a firewall, a
+    TLS check). transport="auto" goes on inside the gRPC stream instead."""
+
+
 class ProtocolError(RemoteLoaderError):
     """The server sent frames this client cannot read (a bug, or mismatched versions)."""
 

@@ -21,7 +21,7 @@ from remote_loader.client.options import (
 )
 from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import wire
+from remote_loader.protos import tcp, wire
 from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.slots import SlotMaps
 
@@ -66,11 +66,13 @@ class RemoteLoader:
             the first connection is tried again after a refusal.
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
         transport: "auto" moves batches through shared memory when the server shares this
-            host's /dev/shm (the same machine, or containers sharing IPC), else on a data
-            connection beside the gRPC stream when the server offers one (a plain TCP socket:
-            none with TLS), else inside the gRPC stream; "tcp" skips shared memory; "grpc"
-            always streams them inside gRPC messages. Each falls back on its own, losing and
-            repeating nothing. See `last_transport`.
+            host's /dev/shm (the same machine, or containers sharing IPC), else on data
+            connections beside the gRPC stream when the server offers them (TCP sockets, TLS
+            with `tls`), else inside the gRPC stream, each falling back on its own, losing and
+            repeating nothing; "tcp" skips shared memory and never falls back: a stream whose
+            data connections the server does not offer or this client cannot make raises
+            TransportError; "grpc" always streams them inside gRPC messages. See
+            `last_transport`.
         data_connections: how many TCP data connections a stream may open (1 to 8; the server
             may grant fewer). Each batch is cut into a stripe per connection, sent and read all
             at once, but into no more stripes than it has MiB (a batch under 2 MiB goes on
@@ -157,6 +159,14 @@ class RemoteLoader:
         self._buffers = BufferPool(keep=prefetch + 4) if self.device.type == "cpu" else None
         self._closed = False
         self.tls = resolve_tls(tls)
+        # The data connections' TLS: the channel's CA, certificate, key (NOTE [ TLS data
+        # connection ] in protos/tcp.py); made once, here, so a bad file fails at once.
+        self._data_tls = self.tls.data_context() if self.tls is not None else None
+        if transport == "tcp" and tcp.target_host(address) is None:
+            raise ValueError(
+                f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
+                f"{address!r}: the data connections go to that host"
+            )
         self._channel = open_channel(
             address,
             tls=self.tls,
@@ -287,10 +297,14 @@ class RemoteLoader:
                 "receives depends on how fast the job's other consumers take theirs"
             )
         if not self.info.has_length:
-            raise TypeError(
-                f"loader {self.name!r} has no len(): its dataset is an "
-                "IterableDataset without __len__"
+            # The server refuses a map-style dataset whose __len__ raises: a map-style loader
+            # without a length has a sampler (or batch_sampler) without one.
+            why = (
+                "its dataset is an IterableDataset without __len__"
+                if self.info.dataset_kind == "iterable"
+                else "its dataset is map-style, but its sampler or batch_sampler has no __len__"
             )
+            raise TypeError(f"loader {self.name!r} has no len(): {why}")
         return int(self.info.length)
 
     def __iter__(self) -> EpochIterator:

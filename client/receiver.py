@@ -290,9 +290,7 @@ class Receiver(threading.Thread):
         when a new stream could take over from here."""
         self._finished = None
         self._ends = ends
-        frames = ends.frames(
-            iter(call), call_done=call.done, stopped=self._stopped.is_set, start=self._expected
-        )
+        frames = ends.frames(iter(call))
         try:
             return self._read(frames, ends)
         except grpc.RpcError as exc:
@@ -302,25 +300,32 @@ class Receiver(threading.Thread):
                 raise _Broken(map_rpc_error(exc, self._what)) from exc
             raise
         except ConnectionLostError as exc:
-            # A slot or board record reused under this client: if the server let go of the
-            # stream (a broadcast consumer detached), its status says why, not the torn read.
-            # The server ends such a stream at its next look (a tick): wait that long for it.
+            # A slot reused (or gone) under this client: if the server let go of the stream (a
+            # broadcast consumer detached), its status says why, not the torn read. The server
+            # ends such a stream at its next look (a tick): wait that long for it. The status
+            # comes after the Frames still queued, read through to it once the server has closed
+            # its end (no more follow: at most gRPC's flow-control window of them).
             deadline = time.monotonic() + (STATUS_WAIT if isinstance(exc, BatchReused) else 0)
-            while not call.done() and time.monotonic() < deadline:
+            while not (call.done() or ends.server_closed()) and time.monotonic() < deadline:
                 if self._stopped.wait(0.01):
                     break
-            if call.done():
-                try:
-                    for _ in call:
-                        pass
-                except grpc.RpcError as status:
-                    if _retryable(status) and not self._stopped.is_set():
-                        raise _Broken(map_rpc_error(status, self._what)) from status
-                    raise
+            if call.done() or ends.server_closed():
+                self._raise_status(call)
             raise _Broken(exc) from exc
         finally:
             self._ends = None
             ends.close()  # each stream has its own probe, ring and data connection
+
+    def _raise_status(self, call: Any) -> None:
+        """Raises the status an ended `call` ended with (as _Broken when a new stream may take
+        over); returns if it ended OK. Frames still queued are moot now."""
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as status:
+            if _retryable(status) and not self._stopped.is_set():
+                raise _Broken(map_rpc_error(status, self._what)) from status
+            raise
 
     def _read(self, frames: Iterator[tuple[pb.Frame, memoryview]], ends: StreamEnds) -> Item:
         expected = self._expected

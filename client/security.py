@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,26 @@ class TLS:
 
     def credentials(self) -> grpc.ChannelCredentials:
         return self.read().credentials()
+
+    def data_context(self) -> ssl.SSLContext:
+        """The ssl context of this client's data connections: the gRPC channel's trust (`ca`,
+        else the system's CAs) and client certificate, the server's name checked (NOTE [ TLS
+        data connection ] in protos/tcp.py). ValueError for files ssl cannot use."""
+        self.read()  # a file that cannot be read or is not PEM: read()'s message, as for gRPC
+        try:
+            context = ssl.create_default_context(
+                cafile=None if self.ca is None else os.fspath(self.ca)
+            )
+            if self.cert is not None and self.key is not None:
+                context.load_cert_chain(os.fspath(self.cert), os.fspath(self.key))
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"TLS: cannot use ca={self.ca!r}, cert={self.cert!r}, key={self.key!r} for the "
+                f"data connections: {exc}"
+            ) from None
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.options |= ssl.OP_NO_RENEGOTIATION
+        return context
 
 
 def _read_pem(field: str, path: str | os.PathLike[str] | None) -> bytes | None:

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import socket
 import sys
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: its functions take
+# `group=group.WORLD` as a default argument, evaluated at import, so a first import after
+# init_process_group() pins the default group for good. DDP's constructor imports it (through
+# torch._dynamo), and destroy_process_group() then cannot free the gloo group: its worker threads
+# ran on into interpreter exit, where a rank now and then aborted with "terminate called without
+# an active exception" after all its work was done.
+import torch.distributed.nn
 from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException, spawn
 from torch.nn.parallel import DistributedDataParallel
@@ -84,9 +93,8 @@ def train(rank: int, address: str, epochs: int, init_method: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, init_method=init_method)
     try:
-        # The model lives in fit() only: DDP's reducer holds gloo work objects, which must be
-        # freed before the process group is destroyed, not during interpreter shutdown (where
-        # that aborts: "terminate called without an active exception", pytorch/pytorch#179291).
+        # The model lives in fit() only, so that DDP's reducer, which holds the group, is gone
+        # before the group is destroyed (see the torch.distributed.nn import above).
         epoch0, dataset_length = fit(rank, address, epochs)
         gc.collect()  # DDP sits in reference cycles: free it now, while the group is alive
         shares: list[list[int] | None] = [None] * WORLD_SIZE
@@ -101,6 +109,28 @@ def train(rank: int, address: str, epochs: int, init_method: str) -> None:
             sys.exit(1)
     finally:
         dist.destroy_process_group()
+    left = gloo_threads()
+    if left:
+        # Not an abort at exit some runs later: the reason, every run.
+        say(f"rank {rank}: the process group was not freed; threads still running: {left}")
+        sys.exit(1)
+    say(f"rank {rank}: process group freed")
+
+
+def gloo_threads() -> list[str]:
+    """The gloo threads still running in this process (Linux: /proc; elsewhere none known): a
+    freed process group has joined them all."""
+    tasks = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return sorted(name for name in names if "gloo" in name)
 
 
 def fit(rank: int, address: str, epochs: int) -> tuple[list[int], int]:

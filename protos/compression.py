@@ -32,6 +32,10 @@ import torch
 # The names a client may ask for; "none" (or "") is no compression.
 CODECS = ("lz4", "zstd")
 _PACKAGES = {"lz4": "lz4", "zstd": "zstandard"}
+# What `pip install` takes for each, as the `compression` extra of pyproject.toml says (a test
+# holds them equal). The project is installed from its repository, not a package index, so a
+# hint names the packages themselves; `pip install ".[compression]"` works from a clone's root.
+_REQUIREMENTS = {"lz4": "lz4>=4", "zstd": "zstandard>=0.22"}
 # Leaves smaller than this are sent as they are: a codec's fixed costs outweigh what it saves.
 MIN_BYTES = 64 * 1024
 # A leaf compressed to more than this fraction of its size is sent uncompressed.
@@ -61,7 +65,11 @@ def available(name: str) -> bool:
 
 
 def install_hint(name: str) -> str:
-    return f"pip install {_PACKAGES[name]} (or remote-loader[compression])"
+    """The command that installs codec `name`'s package, to paste into a shell."""
+    return (
+        f'pip install "{_REQUIREMENTS[name]}" (or, in a clone of the repository, '
+        'pip install ".[compression]")'
+    )
 
 
 def _compress_fn(name: str) -> Callable[[Any], bytes]:

@@ -30,26 +30,18 @@ a /dev/shm where it cannot) never marks the header, and the server polls; a clie
 away leaves the server waiting only until `stopped()` says so, at its next tick. The name goes
 like the ring's: unlinked by the client once connected, by the server when it closes the ring,
 and by the server's resource tracker if the server dies first.
-
-The other way round: a client following a broadcast board (NOTE [ Broadcast board ] in
-protos/board.py) binds a bell of its own before it connects (`Ringer(listen=True)`) and rings
-once; the server connects back to that name and unlinks it, and `Doorbell.wake` then reaches
-the client's `Ringer.sleep`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-import secrets
 import select
 import socket
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 
 BELL_PREFIX = "rl-bell-"
-_BELL_NAME = re.compile(r"rl-bell-[0-9a-f]{32}")
 # Seconds between two looks at what does not ring (cancelled, detached, silent) while waiting.
 BELL_TICK = 0.02
 _DRAIN = 64  # bytes read per datagram (each is one)
@@ -64,9 +56,7 @@ class Doorbell:
 
     def __init__(self, directory: str, name: str, owner_uid: int | None = None) -> None:
         self.name = name
-        self._directory = directory
         self._path = os.path.join(directory, name)
-        self.answering = False  # connected to a listening client's bell (`wake` reaches it)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._sock.setblocking(False)
@@ -101,49 +91,13 @@ class Doorbell:
             self._poll.poll(BELL_TICK * 1000)
         return True
 
-    def sleep(self, timeout: float) -> None:
-        """Returns once the client has rung since the last call, or after `timeout` seconds;
-        the caller then looks at what the ring is about (no wake-up is lost: as in `wait`)."""
-        if self._drain():
-            return
-        if self._poll.poll(timeout * 1000):
-            self._drain()
-
-    def _drain(self) -> bool:
-        """Reads what the client rang so far (at most the socket's queue): whether it had."""
-        rang = False
+    def _drain(self) -> None:
+        """Reads what the client rang so far (at most the socket's queue)."""
         while True:
             try:
-                _, sender = self._sock.recvfrom(_DRAIN)
+                self._sock.recv(_DRAIN)
             except BlockingIOError:
-                return rang
-            rang = True
-            if sender and not self.answering:
-                self._answer(sender)
-
-    def _answer(self, path: str) -> None:
-        """The client listens at `path` (a Ringer made with `listen`): connects to it, so that
-        `wake` reaches it, then unlinks its name, as the client does the bell's."""
-        if not (
-            path.startswith(self._directory + os.sep)
-            and _BELL_NAME.fullmatch(os.path.basename(path))
-        ):
-            return  # not a client's bell: never connect anywhere a datagram names
-        try:
-            self._sock.connect(path)
-        except OSError:
-            return
-        self.answering = True
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-    def wake(self) -> None:
-        """Wakes a client that listens (and waits): never blocks, never raises."""
-        if not self.answering:
-            return
-        # A full queue (it has a wake-up to find already), or the client went: nothing to do.
-        with contextlib.suppress(OSError):
-            self._sock.send(b"\0", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                return
 
     def close(self) -> None:
         """Unlinks the name (if the client has not) and closes the socket; idempotent."""
@@ -157,46 +111,17 @@ class Doorbell:
 
 class Ringer:
     """The client's end of a ring's doorbell: connects to the socket at `path`, then unlinks
-    the name. Raises OSError when there is none (an older server) or it cannot connect.
+    the name. Raises OSError when there is none (an older server) or it cannot connect."""
 
-    `listen`: the client also binds a bell of its own beside it (a random name under the same
-    directory) and rings once, so the server learns it, connects to it and unlinks its name;
-    the server then wakes the client with `Doorbell.wake` (NOTE [ Broadcast board ]: a client
-    waiting for the next batch sleeps instead of polling). The client unlinks its name on
-    `close()` if the server never did."""
-
-    def __init__(self, path: str, *, listen: bool = False) -> None:
+    def __init__(self, path: str) -> None:
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        # The name this client's bell was bound at (`listen`), kept to unlink it on close.
-        self.listening = ""
         try:
-            if listen:
-                mine = os.path.join(os.path.dirname(path), BELL_PREFIX + secrets.token_hex(16))
-                self._sock.bind(mine)
-                self.listening = mine
-                os.chmod(mine, 0o600)  # only this user (the server's: zero-copy) may wake it
             self._sock.connect(path)
         except BaseException:
-            self.close()
+            self._sock.close()
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # connected: the name is not needed any more
-        if listen:
-            self._poll = select.poll()
-            self._poll.register(self._sock.fileno(), select.POLLIN)
-            self.ring()  # hello: the server learns where this client listens
-
-    def sleep(self, timeout: float) -> None:
-        """Until the server wakes this client (or woke it since the last call), or `timeout`
-        seconds; for a Ringer made with `listen` only."""
-        sock = self._sock
-        if sock is None:
-            return
-        if not self._poll.poll(timeout * 1000):
-            return
-        with contextlib.suppress(OSError):
-            while True:
-                sock.recv(_DRAIN, socket.MSG_DONTWAIT)
 
     def ring(self) -> None:
         """Wakes a server waiting on the ring (after a release). Never blocks, never raises."""
@@ -213,7 +138,3 @@ class Ringer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        if self.listening:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.listening)  # the server never answered (or did, and unlinked)
-            self.listening = ""

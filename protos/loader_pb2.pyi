@@ -88,7 +88,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "board")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -100,7 +100,6 @@ class StreamRequest(_message.Message):
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
-    BOARD_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -112,8 +111,7 @@ class StreamRequest(_message.Message):
     reshard: Reshard
     compression: str
     data_connections: int
-    board: bool
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., board: _Optional[bool] = ...) -> None: ...
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class Reshard(_message.Message):
     __slots__ = ("world_size", "consumed", "origin")
@@ -161,18 +159,6 @@ class ShmBatch(_message.Message):
     slot: ShmSlot
     def __init__(self, ring: _Optional[str] = ..., ring_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., release: _Optional[int] = ..., slot: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
 
-class ShmBoard(_message.Message):
-    __slots__ = ("name", "records", "control", "control_bytes")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    RECORDS_FIELD_NUMBER: _ClassVar[int]
-    CONTROL_FIELD_NUMBER: _ClassVar[int]
-    CONTROL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    records: int
-    control: str
-    control_bytes: int
-    def __init__(self, name: _Optional[str] = ..., records: _Optional[int] = ..., control: _Optional[str] = ..., control_bytes: _Optional[int] = ...) -> None: ...
-
 class ShmSlot(_message.Message):
     __slots__ = ("pid", "fd", "inode", "size", "generation")
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +192,7 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "board", "data")
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "data")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -217,7 +203,6 @@ class Frame(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     TCP_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ON_TCP_FIELD_NUMBER: _ClassVar[int]
-    BOARD_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     batch: int
     part: int
@@ -229,9 +214,8 @@ class Frame(_message.Message):
     shm: ShmBatch
     tcp_channel: TcpChannel
     on_tcp: bool
-    board: ShmBoard
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., board: _Optional[_Union[ShmBoard, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")

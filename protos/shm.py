@@ -41,6 +41,7 @@ still finds it. If the client never opens it, the server unlinks it when the str
 server is killed before that, its resource tracker (a separate process, outliving it) unlinks
 it. The probe is unlinked by the server when it reads it and by
 the client when the stream's first message or error arrives, whichever comes first.
+See NOTE [ Stale probes ] for a client killed in between.
 
 The ring is the fallback of a faster way: a client that also shares the server's pid namespace
 and user reads each batch in its worker's slot, and the server copies nothing; its stream's ring
@@ -116,17 +117,15 @@ NONCE_BYTES = 16
 
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
 # ring), [16, 24) the client's heartbeat, [24] the client rings the doorbell (NOTE [ Doorbell ]
-# in protos/doorbell.py), [25] the server asks it not to (NOTE [ Broadcast board ]: it reads
-# the cursor when it needs it), [26] the client sleeps until the server wakes it (a board's
-# next record), the rest of the first 64 bytes unused, then the data.
+# in protos/doorbell.py), [25, 28) unused (a broadcast board's flags, removed: never set, so a
+# client that still reads [25] rings as it should), [28] the server has closed its end (the
+# stream is over for it), the rest of the first 64 bytes unused, then the data.
 RING_HEADER = 64
 _CURSOR = struct.Struct("<Q")
 _ATTACHED_AT = 8
 _HEARTBEAT_AT = 16
 _RINGS_AT = 24
-_QUIET_AT = 25
-_WAITING_AT = 26
-_ANSWERS_AT = 27
+_CLOSED_AT = 28
 ALIGN = 64  # batches start on a cache line (and on the codec's ALIGN)
 
 # A ring holds this many batches of the first batch's size: the receiver copies a batch out as
@@ -161,6 +160,40 @@ def _unlink(name: str) -> None:
 
 # --- the probe: do client and server see the same /dev/shm? -------------------------------
 
+# NOTE [ Stale probes ]
+#
+# A client killed between making its probe and its stream's first message leaves the file:
+# nothing it owned outlives it to unlink it (a probe is not registered with the resource
+# tracker: the server, not the client, must be able to unlink it first). So whoever next
+# probes on that /dev/shm, a client making its probe or a server reading one, unlinks the
+# probe files older than PROBE_STALE_AFTER. A probe lives for one request's round trip, so a
+# probe that old is a dead client's; were it a live client's stuck that long, the server would
+# find it gone and the stream would go over gRPC or TCP instead, as without shared memory.
+# Age, not the creator's pid: the name carries no pid, and the pid a request names is only
+# readable by a server in the client's pid namespace. Another user's probe cannot be unlinked
+# (/dev/shm is sticky) and is left to a process of that user (or root).
+PROBE_STALE_AFTER = 60.0
+
+
+def sweep_stale_probes(now: float | None = None) -> list[str]:
+    """Unlinks the probe files last written more than PROBE_STALE_AFTER seconds before `now`
+    (time.time()); returns their names (see NOTE [ Stale probes ])."""
+    now = time.time() if now is None else now
+    swept: list[str] = []
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if _PROBE_NAME.fullmatch(n)]
+    except OSError:
+        return swept
+    for name in names:
+        try:
+            st = os.stat(_path(name), follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > PROBE_STALE_AFTER:
+                os.unlink(_path(name))
+                swept.append(name)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return swept
+
 
 class Probe:
     """The client's half of the negotiation: a small file only a process sharing /dev/shm reads.
@@ -171,6 +204,7 @@ class Probe:
     """
 
     def __init__(self) -> None:
+        sweep_stale_probes()  # NOTE [ Stale probes ]
         self.name = PROBE_PREFIX + secrets.token_hex(16)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.pid = os.getpid()
@@ -222,6 +256,7 @@ def read_probe(name: str, nonce: bytes) -> os.stat_result | None:
     """
     if not _PROBE_NAME.fullmatch(name) or len(nonce) != NONCE_BYTES:
         return None
+    sweep_stale_probes()  # NOTE [ Stale probes ]
     try:
         fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -373,28 +408,8 @@ class RingWriter:
             return self._bell.wait(ready, stopped)
         return wait_until(ready, stopped, poll)
 
-    def sleep(self, timeout: float) -> None:
-        """Until the client rings the doorbell or `timeout` passes (without a doorbell, at
-        most _MAX_POLL: the caller polls)."""
-        if self._bell is not None and self._mm[_RINGS_AT]:
-            self._bell.sleep(timeout)
-            if self._bell.answering and not self._mm[_ANSWERS_AT]:
-                self._mm[_ANSWERS_AT] = 1  # the client may sleep now: `wake_client` reaches it
-        else:
-            time.sleep(min(timeout, _MAX_POLL))
-
     def attached(self) -> bool:
         return bool(self._mm[_ATTACHED_AT])
-
-    def wake_client(self) -> None:
-        """Wakes the client if it sleeps waiting on the server (NOTE [ Broadcast board ])."""
-        if self._mm[_WAITING_AT] and self._bell is not None:
-            self._bell.wake()
-
-    def ask_for_rings(self, ring: bool) -> None:
-        """Whether the client rings the doorbell after its releases (it does unless told
-        not to). A change is seen at the client's next release."""
-        self._mm[_QUIET_AT] = 0 if ring else 1
 
     def heartbeat(self) -> int:
         """The client's heartbeat counter (NOTE [ Ring space ]: a frozen client stops it)."""
@@ -409,6 +424,7 @@ class RingWriter:
         if self._closed:
             return
         self._closed = True
+        self._mm[_CLOSED_AT] = 1  # a client reading on learns the stream is over for the server
         forget_segment(self.name)
         if self._bell is not None:
             self._bell.close()
@@ -421,8 +437,7 @@ class RingWriter:
 class RingReader:
     """The client's end: opens the ring the server named, then unlinks the name at once."""
 
-    def __init__(self, name: str, capacity: int, *, listen: bool = False) -> None:
-        """`listen`: the server may wake this client (`wait_for`), through a bell of its own."""
+    def __init__(self, name: str, capacity: int) -> None:
         if not _RING_NAME.fullmatch(name):
             raise ShmUnavailable(f"the server named an invalid ring {name!r}")
         self.name = name
@@ -444,7 +459,7 @@ class RingReader:
         self._mm[_ATTACHED_AT] = 1
         self._ringer: doorbell.Ringer | None = None
         try:
-            self._ringer = doorbell.Ringer(_path(_bell_name(name)), listen=listen)
+            self._ringer = doorbell.Ringer(_path(_bell_name(name)))
             self._mm[_RINGS_AT] = 1
         except OSError:
             pass  # an older server, or no socket it can reach: it polls the cursor
@@ -464,31 +479,13 @@ class RingReader:
     def release(self, cursor: int) -> None:
         _CURSOR.pack_into(self._mm, 0, cursor)
         self.beat()
-        if self._ringer is not None and not self._mm[_QUIET_AT]:
+        if self._ringer is not None:
             self._ringer.ring()  # after the cursor: NOTE [ Doorbell ]
 
-    def can_sleep(self) -> bool:
-        """Whether the server can wake this client (`listen`, and the server answered)."""
-        ringer = self._ringer
-        return ringer is not None and bool(ringer.listening) and bool(self._mm[_ANSWERS_AT])
-
-    def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
-        """Sleeps until the server wakes this client or `timeout` passes, unless `ready()`
-        (only when `can_sleep()`)."""
-        ringer = self._ringer
-        assert ringer is not None
-        # Say so before the last look: what the server publishes after it wakes this sleep.
-        self._mm[_WAITING_AT] = 1
-        try:
-            if not ready():
-                ringer.sleep(timeout)
-        finally:
-            self._mm[_WAITING_AT] = 0
-
-    def ring(self) -> None:
-        """Rings the doorbell, asked to or not: the client waits on the server."""
-        if self._ringer is not None:
-            self._ringer.ring()
+    def server_closed(self) -> bool:
+        """Whether the server has closed its end: it let go of the stream (its status follows
+        the Frames already sent)."""
+        return bool(self._mm[_CLOSED_AT])
 
     def beat(self) -> None:
         """Tells the server this client is alive (its receiver runs): NOTE [ Ring space ]."""

@@ -94,6 +94,9 @@ class ServerTLS:
     cert: bytes  # the server's certificate chain
     key: bytes  # its private key
     client_ca: bytes | None = None
+    # The same material for the data connections' TLS (Python's ssl: NOTE [ TLS data
+    # connection ] in protos/tcp.py); None: made without files (tests), so no data connections.
+    data_context: ssl.SSLContext | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -118,11 +121,9 @@ def load_tls(cert: str | None, key: str | None, client_ca: str | None) -> Server
                 "certificates (mTLS) needs the server's own certificate and key"
             )
         return None
-    tls = ServerTLS(
-        cert=read_pem("server tls_cert", cert),
-        key=read_pem("server tls_key", key),
-        client_ca=None if client_ca is None else read_pem("server tls_client_ca", client_ca),
-    )
+    cert_pem = read_pem("server tls_cert", cert)
+    key_pem = read_pem("server tls_key", key)
+    client_ca_pem = None if client_ca is None else read_pem("server tls_client_ca", client_ca)
     # grpc reports a bad certificate or key only as "Failed to bind to address": check them
     # here, with the ssl module's reasons, so start-up (and check-config) can say which.
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -143,7 +144,12 @@ def load_tls(cert: str | None, key: str | None, client_ca: str | None) -> Server
             raise ConfigError(
                 f"server tls_client_ca {client_ca!r} holds no usable PEM certificate ({exc})"
             ) from None
-    return tls
+        context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS, as on the gRPC port
+    # The data connections speak TLS with this context, the gRPC port's material.
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    context.num_tickets = 0  # nobody resumes a data connection's session
+    return ServerTLS(cert=cert_pem, key=key_pem, client_ca=client_ca_pem, data_context=context)
 
 
 class TokenInterceptor(_ServerInterceptor):

@@ -7,7 +7,8 @@ module and a line in `make_pool`.
 
 - "local" (server/pool.py): worker processes of this server.
 - "ray" (server/ray_pool.py): Ray actors on a cluster, through a bridge process; needs the
-  `ray` extra, imported only when a loader asks for it.
+  `ray` extra, imported only when a loader asks for it. `require_backend` checks that at
+  start-up (and in `check-config`), not when an epoch first starts a pool.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from remote_loader.server.engine import Engine
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import ConfigError, LoaderSpec
+
+# The `ray` extra of pyproject.toml (a test holds them equal). The project is installed from its
+# repository, not a package index, so the hint names the package itself.
+RAY_REQUIREMENT = "ray>=2.40,<3"
+RAY_INSTALL = (
+    f'pip install "{RAY_REQUIREMENT}" (or, in a clone of the repository, pip install ".[ray]")'
+)
 
 
 class Pool(Engine, Protocol):
@@ -42,13 +50,7 @@ def make_pool(
 ) -> Pool:
     """A pool of `spec.pool`'s backend (not started)."""
     if spec.pool == "ray":
-        try:
-            import ray  # noqa: F401  (only to say what is missing, before a bridge starts)
-        except ImportError as exc:
-            raise ConfigError(
-                f'loader {spec.name!r} has pool = "ray", but Ray is not installed here: '
-                'pip install "remote-loader[ray]"'
-            ) from exc
+        require_backend(spec)
         from remote_loader.server.ray_pool import RayPool
 
         return RayPool(
@@ -62,3 +64,17 @@ def make_pool(
     from remote_loader.server.pool import WorkerPool
 
     return WorkerPool(spec, batching, ctx, max_batch_bytes=max_batch_bytes, metrics=metrics)
+
+
+def require_backend(spec: LoaderSpec) -> None:
+    """Raises ConfigError, with the install command, when `spec.pool`'s backend cannot be
+    imported here: at start-up, since a pool that is not persistent is first made by a stream."""
+    if spec.pool != "ray":
+        return
+    try:
+        import ray  # noqa: F401  (only to say what is missing, before a bridge starts)
+    except ImportError as exc:
+        raise ConfigError(
+            f'loader {spec.name!r} has pool = "ray", but Ray cannot be imported here ({exc}): '
+            f"{RAY_INSTALL}"
+        ) from exc

@@ -5,27 +5,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
-import re
-import select
-import subprocess
 import sys
-import threading
-import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from remote_loader.server.datasets import DEMO_DATASET, demo_spec
+from remote_loader.server.datasets import demo_spec
+
+# The demo's processes (re-exported: tests and benchmarks start servers with them).
+from remote_loader.server.demo import run_demo
+from remote_loader.server.demo import serve_command as serve_command
+from remote_loader.server.demo import spawn_serve as spawn_serve
 from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import (
     ConfigError,
+    LoaderSpec,
     add_spec_arguments,
     read_config,
     spec_from_args,
 )
+
+if TYPE_CHECKING:
+    from remote_loader.server.host import LoaderHost
 
 DEFAULTS = ServerSettings()
 
@@ -221,14 +223,11 @@ def _check_config(path: str) -> int:
         ctx = multiprocessing.get_context("forkserver")
         for name, spec in specs.items():
             host = LoaderHost(spec, ctx)
-            try:
-                length = f"{len(host)} batches/epoch"
-            except TypeError:
-                length = "length unknown (IterableDataset)"
             print(
                 f"{name}: {spec.dataset}, {host.dataset_kind} dataset, batch_size "
-                f"{spec.batch_size}, {length}, num_workers {spec.num_workers}, "
-                f"sharing {', '.join(spec.sharing)}, fingerprint {spec.fingerprint()}"
+                f"{spec.batch_size}, {_length_text(host)}, {_workers_text(spec)}, "
+                f"{_pool_text(spec, settings.ray_address)}, sharing {', '.join(spec.sharing)}, "
+                f"fingerprint {spec.fingerprint()}"
             )
     except ConfigError as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
@@ -239,6 +238,34 @@ def _check_config(path: str) -> int:
         return 2
     print(f"{path}: {len(specs)} loader(s), all valid")
     return 0
+
+
+def _length_text(host: LoaderHost) -> str:
+    """Batches per epoch, or why they are unknown (LoaderHost refused a map-style dataset
+    whose __len__ raises, so here an unknown length is an unsized IterableDataset's, or a
+    sampler's that has no __len__)."""
+    try:
+        return f"{len(host)} batches/epoch"
+    except TypeError as exc:
+        if host.batching.is_iterable:
+            return "length unknown (IterableDataset without __len__)"
+        return f"length unknown (map-style, but {exc})"
+
+
+def _workers_text(spec: LoaderSpec) -> str:
+    """num_workers as configured: "auto" is not the one worker the pool starts with."""
+    if spec.autotune:
+        return f"num_workers auto (1 to max_workers {spec.max_workers})"
+    return f"num_workers {spec.num_workers}"
+
+
+def _pool_text(spec: LoaderSpec, ray_address: str | None) -> str:
+    if spec.num_workers == 0:
+        return f"pool {spec.pool} (no workers: loads in the server process)"
+    if spec.pool == "ray":
+        where = f"ray_address {ray_address}" if ray_address else "a local Ray instance"
+        return f"pool ray ({where}, ray_num_cpus {spec.ray_num_cpus:g})"
+    return f"pool {spec.pool}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,194 +326,6 @@ def _health(address: str, timeout: float, service: str, tls: HealthTLS | None = 
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{address}: {status}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-# --- demo -------------------------------------------------------------------------------------
-
-
-# How long a spawned server may take to build its loaders and start listening.
-SERVE_START_TIMEOUT = 120.0
-# How long the demo waits for a trainer before it stops it.
-DEMO_TRAINER_TIMEOUT = 600.0
-
-
-def demo_flags(batch_size: int = 32, num_workers: int = 2) -> list[str]:
-    """`serve` flags for the demo loader: the built-in image folder, shuffled, with indices."""
-    flags = [
-        "--dataset",
-        DEMO_DATASET,
-        "--name",
-        "demo",
-        "--dataset-kwargs",
-        json.dumps({"return_index": True}),
-        "--batch-size",
-        str(batch_size),
-        "--shuffle",
-        "--num-workers",
-        str(num_workers),
-    ]
-    if num_workers > 0:
-        flags.append("--persistent-workers")
-    return flags
-
-
-def serve_command(args: Sequence[str]) -> list[str]:
-    """The command line of `remote-loader serve ARGS` listening on 127.0.0.1, port 0."""
-    return [
-        sys.executable,
-        "-m",
-        "remote_loader.server.cli",
-        "serve",
-        "--address",
-        "127.0.0.1:0",
-        *args,
-    ]
-
-
-def spawn_serve(
-    args: Sequence[str], env: Mapping[str, str] | None = None, stderr: int | None = None
-) -> tuple[subprocess.Popen[str], int]:
-    """Starts `remote-loader serve ARGS --address 127.0.0.1:0` as a process.
-
-    Returns the process and the port it listens on, read from its first line of output; raises
-    RuntimeError (with the server's stderr, when piped) if it exits before serving.
-    """
-    proc = subprocess.Popen(
-        [*serve_command(args), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=None if env is None else dict(env),
-    )
-    assert proc.stdout is not None
-    # Bounded: a server stuck before it listens must not hang the caller.
-    ready, _, _ = select.select([proc.stdout], [], [], SERVE_START_TIMEOUT)
-    line = proc.stdout.readline() if ready else ""  # "remote-loader: serving ... on port N"
-    match = re.search(r"on port (\d+)$", line.strip())
-    if match is None:
-        proc.kill()
-        _, err = proc.communicate()
-        raise RuntimeError(
-            f"remote-loader serve did not start (exit code {proc.returncode})"
-            + (f": {err.strip()}" if err else "")
-        )
-    return proc, int(match.group(1))
-
-
-def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> int:
-    """Starts a server and `trainers` trainer processes, shows their progress, checks the data."""
-    from tqdm import tqdm
-
-    from remote_loader.server.datasets import demo_folder
-
-    print(f"remote-loader demo: images in {demo_folder()}", flush=True)
-    started = time.monotonic()
-    server, port = spawn_serve(demo_flags(batch_size, num_workers))
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "remote_loader.client.demo",
-                    "--address",
-                    f"127.0.0.1:{port}",
-                    "--rank",
-                    str(rank),
-                    "--world-size",
-                    str(trainers),
-                    "--epochs",
-                    str(epochs),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for rank in range(trainers)
-        ]
-        bars = [
-            tqdm(desc=f"trainer {rank}", unit="batch", position=rank, leave=True)
-            for rank in range(trainers)
-        ]
-        lock = threading.Lock()
-
-        def follow(rank: int, proc: subprocess.Popen[str]) -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                msg = json.loads(line)
-                with lock:
-                    if "total" in msg:
-                        bars[rank].total = msg["total"]
-                        bars[rank].refresh()
-                    elif "batch" in msg:
-                        bars[rank].update(1)
-                    else:
-                        reports[rank] = msg
-
-        threads = [threading.Thread(target=follow, args=(r, p)) for r, p in enumerate(procs)]
-        for t in threads:
-            t.start()
-        codes = [_wait_or_kill(p, DEMO_TRAINER_TIMEOUT) for p in procs]
-        for t in threads:
-            t.join()
-        for bar in bars:
-            bar.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    return _summary(reports, codes, time.monotonic() - started, epochs)
-
-
-def _wait_or_kill(proc: subprocess.Popen[str], timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-def _summary(
-    reports: dict[int, dict[str, Any]], codes: list[int], seconds: float, epochs: int
-) -> int:
-    ok = True
-    print(f"\nsummary ({seconds:.1f} s wall)")
-    for rank, code in enumerate(codes):
-        report = reports.get(rank)
-        if code != 0 or report is None:
-            print(f"  trainer {rank}: FAILED (exit code {code})")
-            ok = False
-            continue
-        mbps = report["bytes"] / 1e6 / max(report["seconds"], 1e-9)
-        print(
-            f"  trainer {rank} (rank {rank} of {len(codes)}): {report['batches']} batches, "
-            f"{report['samples']} samples, {report['bytes'] / 1e6:.1f} MB at {mbps:.1f} MB/s"
-            f" over {report.get('transport') or 'nothing'}"
-        )
-    if ok:
-        ok = _check_partition([reports[r] for r in range(len(codes))], epochs)
-    print("demo " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
-def _check_partition(reports: list[dict[str, Any]], epochs: int) -> bool:
-    """Each epoch: equal shares that together hold every sample, repeats only as padding."""
-    size = reports[0]["dataset_length"]
-    ok = True
-    for epoch in range(epochs):
-        shares = [r["received"][epoch] for r in reports]
-        counts = Counter(i for share in shares for i in share)
-        equal = len({len(share) for share in shares}) == 1
-        # DistributedSampler pads the last round with samples from the start of the epoch.
-        padding = len(shares[0]) * len(shares) - size
-        complete = set(counts) == set(range(size)) and sum(counts.values()) == size + padding
-        good = equal and complete and 0 <= padding < len(shares)
-        ok = ok and good
-        repeats = f", {padding} repeated as padding" if padding else ", none twice"
-        print(
-            f"  epoch {epoch}: {len(shares)} equal shares of {len(shares[0])} samples; together "
-            f"every one of the {size} samples{repeats}: {'yes' if good else 'NO'}"
-        )
-    return ok
 
 
 if __name__ == "__main__":

@@ -27,6 +27,19 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+# Characters of a client-chosen value (a loader or job name, a fingerprint) that errors and logs
+# echo: a 60 KB loader name echoed whole in NOT_FOUND made its status larger than gRPC's
+# metadata limit, and the client saw "metadata size exceeds hard limit" instead.
+ECHO_LIMIT = 64
+
+
+def clip(value: str) -> str:
+    """`value` as errors and logs echo it: whole up to ECHO_LIMIT characters, else its first
+    ECHO_LIMIT, "..." and its length."""
+    if len(value) <= ECHO_LIMIT:
+        return value
+    return f"{value[:ECHO_LIMIT]}...({len(value)} characters)"
+
 
 class ServerError(Exception):
     """An error a call ends with; `status` names its gRPC status code."""

@@ -15,14 +15,21 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from remote_loader.protos.compression import Compressor, compressor_for
-from remote_loader.server.backends import Pool, make_pool
-from remote_loader.server.elastic import Reshard, ReshardError, resharded_plan
+from remote_loader.server.backends import Pool, make_pool, require_backend
+from remote_loader.server.elastic import (
+    Reshard,
+    ReshardError,
+    resharded_length,
+    resharded_plan,
+)
 from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.membership import Membership
-from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.policies import policy_for
+from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
+from remote_loader.server.policies import admit, policy_for
 from remote_loader.server.run import Consumer, LeaseAbandoned
 from remote_loader.server.sampling import (
     Batching,
@@ -122,6 +129,36 @@ class InlineEngine:
         self.outstanding = 0
 
 
+def check_length(spec: LoaderSpec, dataset: Any) -> None:
+    """Raises ConfigError when a map-style `dataset` cannot give the length an epoch needs.
+
+    A map-style epoch is sampled from len(dataset) (torch's default samplers; most custom ones
+    too), so a `__len__` that raises would fail every stream at batch 0, and len(loader) would
+    look like an IterableDataset's. Without `__len__` at all, only a named sampler or
+    batch_sampler can sample it. An IterableDataset's `__len__` is optional, and TypeError from
+    it means "unsized" (torchdata's IterDataPipe), so it is left to torch.
+    """
+    if isinstance(dataset, IterableDataset):
+        return
+    kind = f"map-style dataset {type(dataset).__qualname__}"
+    if not hasattr(type(dataset), "__len__"):
+        if spec.sampler is None and spec.batch_sampler is None:
+            raise ConfigError(
+                f"loader {spec.name!r}: its {kind} has no __len__, and torch's default "
+                "sampler needs it to sample an epoch: define __len__, or name a sampler or "
+                "batch_sampler that does not need it"
+            )
+        return
+    try:
+        len(dataset)
+    except Exception as exc:
+        raise ConfigError(
+            f"loader {spec.name!r}: its {kind} has __len__, but len(dataset) raised "
+            f"{type(exc).__name__}: {exc}; an epoch of a map-style dataset is sampled from its "
+            "length, so no stream could start: fix __len__"
+        ) from exc
+
+
 class LoaderHost:
     """A named loader on the server.
 
@@ -136,6 +173,7 @@ class LoaderHost:
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         ray_address: str | None = None,
+        metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
     ) -> None:
         if max_batch_bytes < 1:
             raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
@@ -143,8 +181,12 @@ class LoaderHost:
         self.max_batch_bytes = max_batch_bytes
         # What this loader served and where its batches waited; a server's MetricsServer
         # shows it (server/metrics.py).
-        self.metrics = LoaderMetrics(spec.name)
+        self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
+        # torch's default prefetch_factor is 2, as the pool's.
+        self.metrics.configured(spec.num_workers, spec.prefetch_factor or 2)
+        require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
         self.dataset = build_dataset(spec)
+        check_length(spec, self.dataset)  # before torch's RandomSampler calls len() itself
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
         if spec.autotune and self.batching.is_iterable:
@@ -201,14 +243,18 @@ class LoaderHost:
                     f"loader {self.spec.name!r} serves an IterableDataset, whose order is not "
                     "the server's to deal out again: it cannot resume on another world size"
                 )
-            plan = self._plan(seed, epoch, world_size, reshard)
-            assert plan.indices is not None
-            return len(plan.indices(membership.rank))
+            return resharded_length(
+                reshard,
+                world_size,
+                self.spec.partition_drop_last,
+                epoch,
+                lambda w: epoch_length(self._loader, self.spec, w),
+            )
         return epoch_length(self._loader, self.spec, world_size)
 
     def check(self, membership: Membership) -> None:
         """Raises SharingError when this loader refuses `membership`."""
-        membership.check(self.spec, self.batching.is_iterable)
+        admit(membership, self.spec, self.batching.is_iterable)
 
     def attach(
         self,

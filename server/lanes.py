@@ -14,15 +14,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from remote_loader.protos import wire
 from remote_loader.server.engine import Delivery
+from remote_loader.server.outgoing import Outgoing
 from remote_loader.server.reorder import Reorderer
 from remote_loader.server.worker import RemoteError
-
-if TYPE_CHECKING:  # the board publishes entries (server/board.py imports Entry from here)
-    from remote_loader.server.board import Board
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +45,24 @@ class Entry:
         self._released = False  # the policy is done with it
         self._leases = 0
         self._given_back = False
-        self._frames: list[bytes] | None = None
         self._lock = threading.Lock()
+        # The batch as the send stage takes it (server/outgoing.py); None for an error.
+        self._outgoing = (
+            None
+            if delivery.blob is None
+            else Outgoing(delivery.blob, delivery.header_nbytes, delivery.slot, self.lease)
+        )
 
     @property
     def error(self) -> RemoteError | None:
         return self.delivery.error
 
-    def frames(self, batch: int, chunk_size: int) -> list[bytes]:
-        """The batch as Frames numbered `batch`, built once and kept for every consumer.
-
-        Used by broadcast, where every consumer sends the same entry as the same batch number:
-        the frames are cut once, whatever the number of gRPC consumers.
-        """
-        with self._lock:
-            if self._frames is None:
-                blob = self.delivery.blob
-                assert blob is not None and not self._given_back
-                self._frames = list(
-                    wire.batch_frames(batch, blob, self.delivery.header_nbytes, chunk_size)
-                )
-            return self._frames
+    @property
+    def outgoing(self) -> Outgoing:
+        """The batch for a sender (server/transports/): its bytes, its slot, and `lease`
+        (for an entry without an error)."""
+        assert self._outgoing is not None, "an entry without an error has a blob"
+        return self._outgoing
 
     def lease(self) -> Callable[[], None]:
         """Keeps the worker's slot (and `delivery.blob`) valid past `release` until the
@@ -186,9 +180,6 @@ class BroadcastLane(Lane):
         super().__init__(in_order, window)
         self.entries: collections.deque[Entry] = collections.deque()
         self.base = 0  # position of entries[0]; > start once anything was retired
-        # Where same-host consumers follow the entries (NOTE [ Broadcast board ]); None: none
-        # of them does.
-        self.board: Board | None = None
 
     def begin(self, tasks: Iterator[Any], start: int, iterable: bool) -> None:
         super().begin(tasks, start, iterable)
@@ -196,7 +187,7 @@ class BroadcastLane(Lane):
 
     def backlog(self) -> int:
         # Batches back early wait in the reorder buffer: counted, so the lane never holds more
-        # than its window (the board of NOTE [ Broadcast board ] is that long).
+        # than its window.
         return self.outstanding + len(self.reorder) + len(self.entries)
 
     def add(self, delivery: Delivery) -> None:
@@ -207,8 +198,6 @@ class BroadcastLane(Lane):
             self.base = self.produced
         else:
             self.entries.append(entry)
-            if self.board is not None:
-                self.board.publish(entry, self.base)
 
     def entry(self, position: int) -> Entry:
         return self.entries[position - self.base]
@@ -220,5 +209,3 @@ class BroadcastLane(Lane):
 
     def drop_all(self) -> None:
         self.retire_before(self.produced)
-        if self.board is not None:
-            self.board.close()  # the Run is closing: nobody follows it any more

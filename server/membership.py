@@ -1,14 +1,12 @@
 """Admission: how one consumer takes part in a loader's epochs (sharing mode, job, rank, world
-size), and which memberships a loader refuses (see "Sharing" in the README)."""
+size), and which memberships every sharing mode refuses (see "Sharing" in the README; what one
+mode refuses besides is its policy's, policies.admit)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from remote_loader.server.errors import (
-    SharingError,
-)
-from remote_loader.server.policies import policy_for
+from remote_loader.server.errors import SharingError, clip
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
 
 DEFAULT_JOB = "default"
@@ -27,10 +25,12 @@ class Membership:
     world_size: int = 1
 
     def check(self, spec: LoaderSpec, is_iterable: bool) -> None:
-        """Raises SharingError, saying what is allowed, for a membership the loader refuses."""
+        """Raises SharingError, saying what is allowed, for a membership no sharing mode of
+        the loader takes (policies.admit adds what the mode's own policy refuses)."""
         if self.sharing not in SHARING_MODES:
             raise SharingError(
-                f"unknown sharing mode {self.sharing!r}; the modes are {', '.join(SHARING_MODES)}"
+                f"unknown sharing mode {clip(self.sharing)!r}; the modes are "
+                f"{', '.join(SHARING_MODES)}"
             )
         if self.sharing not in spec.sharing:
             raise SharingError(
@@ -46,6 +46,3 @@ class Membership:
                 f"rank {self.rank} is out of range for world_size {self.world_size}: "
                 f"it must be in [0, {self.world_size - 1}]"
             )
-        refusal = policy_for(self.sharing).refusal(self, spec, is_iterable)
-        if refusal is not None:
-            raise SharingError(refusal)

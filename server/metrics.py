@@ -6,6 +6,7 @@ Prometheus text format, on an HTTP port of its own (`MetricsServer`, setting `me
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import wsgiref.simple_server
@@ -36,9 +37,17 @@ BUCKETS = (
     60.0,
     120.0,
 )
-# A consumer's series: one per (loader, job, sharing, rank) ever seen, kept for the server's
-# life as counters must be; jobs and ranks are few, so the series stay few.
+# A consumer's series: one per (loader, job, sharing, rank) seen, kept for the server's life as
+# counters must be. Job names and ranks are the clients' to choose, so a loader gives series of
+# their own to its first `max_consumers` label sets only; a consumer past them is counted under
+# job="other", rank="other" (its sharing mode kept). The bound on a scrape: about
+# 4 * (max_consumers + 3) consumer series per loader, whatever the clients send.
 CONSUMER_LABELS = ("loader", "job", "sharing", "rank")
+DEFAULT_MAX_CONSUMERS = 256
+OTHER = "other"
+# A job label longer than this is cut, and ends in a hash of the whole name so that two long
+# names sharing their start stay two series: a label line stays a few hundred bytes.
+MAX_LABEL_CHARS = 64
 # The queues a batch passes through on the server, in order (remote_loader_queue_wait_seconds).
 QUEUES = ("index", "result", "reorder", "lane")
 # How long stopping the metrics server waits for its thread.
@@ -55,8 +64,14 @@ class LoaderMetrics:
     each scrape for the consumers attached now and their lag.
     """
 
-    def __init__(self, loader: str) -> None:
+    def __init__(self, loader: str, max_consumers: int = DEFAULT_MAX_CONSUMERS) -> None:
+        if max_consumers < 0:
+            raise ValueError(f"max_consumers must be >= 0, got {max_consumers}")
         self.loader = loader
+        self.max_consumers = max_consumers
+        # The consumer label sets with series of their own (at most max_consumers).
+        self._series: set[tuple[str, str, str]] = set()
+        self._series_lock = threading.Lock()
         self._consumers: Callable[[], Iterable[ConsumerRow]] = list
         # Not registered anywhere: a server's MetricsServer collects its hosts' through collect().
         self.batches_served = Counter(
@@ -94,13 +109,16 @@ class LoaderMetrics:
         )
         self._workers = Gauge(
             "remote_loader_workers",
-            'Workers of a loader whose num_workers = "auto", as the autotuner last set them.',
+            "Workers making the loader's batches: its num_workers from start-up and each time "
+            'its pool starts (0: made in the server process), then as num_workers = "auto" '
+            "sets them.",
             ("loader",),
             registry=None,
         )
         self._prefetch = Gauge(
             "remote_loader_prefetch_factor",
-            'Tasks in flight per worker of a loader whose prefetch_factor = "auto", as last set.',
+            "Tasks in flight per worker: the loader's prefetch_factor from start-up (absent with "
+            'num_workers = 0), then as prefetch_factor = "auto" sets it.',
             ("loader",),
             registry=None,
         )
@@ -184,6 +202,14 @@ class LoaderMetrics:
             self._send,
         )
 
+    def configured(self, workers: int, prefetch: int | None) -> None:
+        """The loader starts with `workers` workers (0: in the server process), each with
+        `prefetch` tasks in flight (None: no workers): the gauges autotuning moves exist from
+        the first scrape, whatever the loader's settings."""
+        self._workers.labels(self.loader).set(workers)
+        if prefetch is not None and workers > 0:
+            self._prefetch.labels(self.loader).set(prefetch)
+
     def autotuned(self, setting: str, value: int, reason: str) -> None:
         """Autotuning set `setting` ("num_workers" or "prefetch_factor") to `value` because
         streams waited on `reason` ("production" or "consumers")."""
@@ -195,6 +221,7 @@ class LoaderMetrics:
         """A pool of `backend` started with `workers` workers on `nodes` hosts."""
         self._pool_nodes.labels(self.loader, backend).set(nodes)
         self._pool_workers.labels(self.loader, backend).set(workers)
+        self._workers.labels(self.loader).set(workers)
 
     def watch_consumers(self, consumers: Callable[[], Iterable[ConsumerRow]]) -> None:
         """Where scrapes read the attached consumers and their lag from (the loader's Runs)."""
@@ -202,7 +229,18 @@ class LoaderMetrics:
 
     def stream(self, job: str, sharing: str, rank: int) -> StreamMetrics:
         """The recorder of one consumer's stream."""
-        return StreamMetrics(self, (self.loader, job, sharing, str(rank)))
+        return StreamMetrics(self, self._labels(job, sharing, rank, add=True))
+
+    def _labels(self, job: str, sharing: str, rank: int, add: bool) -> tuple[str, str, str, str]:
+        """A consumer's labels: its own while the loader has room for its series (`add`: take
+        room), else job="other", rank="other"."""
+        key = (label_value(job), sharing, str(rank))
+        with self._series_lock:
+            if key not in self._series:
+                if not add or len(self._series) >= self.max_consumers:
+                    return (self.loader, OTHER, sharing, OTHER)
+                self._series.add(key)
+        return (self.loader, *key)
 
     def worker_timing(
         self, submitted: float, started: float, finished: float, received: float
@@ -237,13 +275,22 @@ class LoaderMetrics:
         )
         # Consumers with the same labels (two epochs of a job overlapping, broadcast
         # consumers all rank 0) are one series: the one furthest behind.
-        worst: dict[tuple[str, str, int], int] = {}
+        # Consumers past max_consumers share job="other", rank="other" alike.
+        worst: dict[tuple[str, str, str, str], int] = {}
         for job, sharing, rank, behind in rows:
-            key = (job, sharing, rank)
+            key = self._labels(job, sharing, rank, add=False)
             worst[key] = max(worst.get(key, 0), behind)
-        for (job, sharing, rank), behind in sorted(worst.items()):
-            lag.add_metric((self.loader, job, sharing, str(rank)), behind)
+        for labels, behind in sorted(worst.items()):
+            lag.add_metric(labels, behind)
         yield lag
+
+
+def label_value(text: str) -> str:
+    """`text` as a label value: itself, or cut to MAX_LABEL_CHARS ending in a hash of all of it."""
+    if len(text) <= MAX_LABEL_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    return f"{text[: MAX_LABEL_CHARS - len(digest) - 1]}~{digest}"
 
 
 class StreamMetrics:
@@ -270,15 +317,6 @@ class StreamMetrics:
             self._errors.inc()
         else:
             self._batches.inc()
-            self._bytes.inc(nbytes)
-
-    def sent_many(self, batches: int, nbytes: int, errors: int) -> None:
-        """`batches` of `nbytes` encoded bytes in all, and `errors`, were passed at once (a
-        consumer following its Run's board)."""
-        if errors:
-            self._errors.inc(errors)
-        if batches:
-            self._batches.inc(batches)
             self._bytes.inc(nbytes)
 
 

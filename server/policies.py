@@ -2,9 +2,11 @@
 server/sharing.py).
 
 A policy owns a Run's lanes and decides, under the Run's `cond`, who may join, what a consumer
-takes next, when its epoch is over and what happens to what it held when it goes. The Run
-(server/run.py) drives production and knows no policy by name: a fourth mode would be a class
-here and an entry in POLICIES, as tf.data service adds a sharding policy with a task runner.
+takes next, when its epoch is over and what happens to what it held when it goes. What it keeps
+per consumer is its own: `join` gives each consumer a Seat, which the Run hands back with every
+call about that consumer. The Run (server/run.py) drives production and knows no policy by
+name: a fourth mode would be a class here and an entry in POLICIES, as tf.data service adds a
+sharding policy with a task runner.
 """
 
 from __future__ import annotations
@@ -12,27 +14,50 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from remote_loader.server.board import Board
+from remote_loader.server.errors import SharingError, clip
 from remote_loader.server.lanes import BroadcastLane, Entry, Lane, QueueLane
+from remote_loader.server.membership import Membership
 from remote_loader.server.sampling import EpochPlan
 from remote_loader.server.spec import LoaderSpec
 
-if TYPE_CHECKING:  # membership.py asks the policies what they refuse; run.py holds a policy
-    from remote_loader.server.membership import Membership
-    from remote_loader.server.run import Consumer, RunKey
-
 log = logging.getLogger(__name__)
 
-# How often a Run whose lane is full looks at the cursors of the consumers that follow its
-# board, besides being woken by their rings (NOTE [ Broadcast board ]).
-HUNGRY_POLL = 0.01
+
+class Key(Protocol):
+    """What a policy reads of its Run's key (server/run.py's RunKey)."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
-class Policy(abc.ABC):
+class Seat:
+    """One consumer's place in its Run's policy: the lane it reads. Made by `Policy.join` and
+    handed back with every call about that consumer; a policy's subclass adds what only that
+    policy keeps per consumer."""
+
+    def __init__(self, membership: Membership, lane: Lane) -> None:
+        self.membership = membership
+        self.lane = lane
+
+
+S = TypeVar("S", bound=Seat)
+
+
+class Policy(abc.ABC, Generic[S]):
     """One Run's sharing policy. Every method but the class-level ones runs under the Run's
-    `cond`; `lanes` is what the Run's thread submits tasks for, taking turns."""
+    `cond`; `lanes` is what the Run's thread submits tasks for, taking turns.
+
+    `detach(seat, why)`: the policy let go of a consumer that is still there (a stalled
+    broadcast consumer): the Run stops serving it, and its stream ends with `why`."""
 
     name: ClassVar[str]
     # Several consumers send the same entry (as the same batch number): transports keep the
@@ -43,13 +68,14 @@ class Policy(abc.ABC):
 
     def __init__(
         self,
-        key: RunKey,
+        key: Key,
         spec: LoaderSpec,
         plan: EpochPlan,
         *,
         iterable: bool,
         start: int,
         window: int,
+        detach: Callable[[Seat, str], None],
     ) -> None:
         self.key = key
         self.spec = spec
@@ -57,6 +83,7 @@ class Policy(abc.ABC):
         self._indices = plan.indices  # rank -> its tasks' indices in the epoch, when not k*w+r
         self._iterable = iterable
         self._window = window
+        self._detach = detach
         self.lanes: list[Lane] = []
 
     # --- which Run, which plan (no Run yet) ---------------------------------------------------
@@ -79,28 +106,32 @@ class Policy(abc.ABC):
     # --- consumers ----------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def join(self, membership: Membership, start: int, consumers: list[Consumer]) -> Lane | None:
-        """The lane a consumer starting at `start` reads, or None if it cannot join this Run
-        (it then gets a Run of its own)."""
+    def join(self, membership: Membership, start: int) -> S | None:
+        """The seat of a consumer starting at `start`, or None if it cannot join this Run (it
+        then gets a Run of its own)."""
+
+    def asking(self, seat: S) -> None:
+        """The consumer asks for its next entry (Consumer.next): a wait for it begins."""
+        return None
 
     @abc.abstractmethod
-    def take(self, consumer: Consumer) -> Entry | None:
+    def take(self, seat: S) -> Entry | None:
         """The consumer's next entry if one is ready; None to wait or end (see `finished`)."""
 
     @abc.abstractmethod
-    def finished(self, consumer: Consumer) -> bool:
+    def finished(self, seat: S) -> bool:
         """Nothing ready and nothing more will be for this consumer: its epoch is over."""
 
     @abc.abstractmethod
-    def done(self, consumer: Consumer, entry: Entry) -> None:
+    def done(self, seat: S, entry: Entry) -> None:
         """The consumer has sent `entry` (or given up sending it)."""
 
     @abc.abstractmethod
-    def let_go(self, consumer: Consumer) -> None:
+    def let_go(self, seat: S) -> None:
         """The consumer left: settle what it held (its Run has already dropped it)."""
 
     @abc.abstractmethod
-    def lag(self, consumer: Consumer, consumers: list[Consumer]) -> int:
+    def lag(self, seat: S) -> int:
         """How many batches the consumer is behind, for metrics."""
 
     # --- production (the Run's thread) --------------------------------------------------------
@@ -115,7 +146,7 @@ class Policy(abc.ABC):
         """Everything this Run will make has been made."""
         return all(lane.complete for lane in self.lanes)
 
-    def make_room(self, lane: Lane, consumers: list[Consumer]) -> None:
+    def make_room(self, lane: Lane) -> None:
         """Called before `lane` is asked whether it wants a task: a policy whose entries wait
         for several consumers frees what they have all sent (queue lanes free as they go)."""
         return None
@@ -124,35 +155,6 @@ class Policy(abc.ABC):
         """The index in the epoch of `lane`'s next task (seeding = "per_batch")."""
         return lane.issued
 
-    # --- a board for same-host consumers (NOTE [ Broadcast board ]; broadcast only) ----------
-
-    def hungry(self) -> bool:
-        """The Run waits for a consumer to pass a batch (its lane is full)."""
-        return False
-
-    def follow_board(self) -> Board:
-        """The Run's board, opened if nobody follows it yet."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def published(self, consumers: list[Consumer]) -> None:
-        """The Run's thread added entries: consumers following the board are woken."""
-        return None
-
-    def reach(self, consumer: Consumer, position: int) -> list[Entry]:
-        """A consumer following the board is done with the positions before `position`:
-        moves its cursor there; returns the entries it passed."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def framed(self, consumer: Consumer, since: int) -> list[Entry]:
-        """The entries from `since` (and the consumer's cursor) on whose records ask for
-        Frames: errors, and batches not in a worker's slot."""
-        raise TypeError(f"{self.name} sharing has no board")
-
-    def end_of(self, consumer: Consumer) -> int | None:
-        """The position after a board consumer's last batch once it has passed it; None
-        before."""
-        raise TypeError(f"{self.name} sharing has no board")
-
     def _queue_lane(self, rank: int, start: int) -> QueueLane:
         lane = QueueLane(self.spec.in_order, self._window)
         lane.rank = rank
@@ -160,31 +162,39 @@ class Policy(abc.ABC):
         return lane
 
 
-class _QueuePolicy(Policy):
-    """partition and dynamic: each entry is taken by exactly one consumer, who holds it until
-    it is sent (Consumer.holding)."""
+class Holder(Seat):
+    """A partition or dynamic consumer: the entries it took and has not sent yet."""
 
-    def take(self, consumer: Consumer) -> Entry | None:
-        lane = self._lane_of(consumer)
+    lane: QueueLane
+
+    def __init__(self, membership: Membership, lane: QueueLane) -> None:
+        super().__init__(membership, lane)
+        self.holding: list[Entry] = []
+        # dynamic: since when this next() has waited with only peers' batches left.
+        self.waiting_since: float | None = None
+
+
+class _QueuePolicy(Policy[Holder]):
+    """partition and dynamic: each entry is taken by exactly one consumer, who holds it until
+    it is sent (Holder.holding)."""
+
+    def take(self, seat: Holder) -> Entry | None:
+        lane = seat.lane
         if not lane.pending:
             return None
         entry = lane.pending.popleft()
         lane.taken += 1
-        consumer.holding.append(entry)
+        seat.holding.append(entry)
         return entry
 
-    def done(self, consumer: Consumer, entry: Entry) -> None:
-        if entry in consumer.holding:
-            consumer.holding.remove(entry)
-            self._lane_of(consumer).taken -= 1
+    def done(self, seat: Holder, entry: Entry) -> None:
+        if entry in seat.holding:
+            seat.holding.remove(entry)
+            seat.lane.taken -= 1
             entry.release()
 
-    def lag(self, consumer: Consumer, consumers: list[Consumer]) -> int:
-        lane = self._lane_of(consumer)
-        return len(lane.pending) + lane.taken
-
-    @abc.abstractmethod
-    def _lane_of(self, consumer: Consumer) -> QueueLane: ...
+    def lag(self, seat: Holder) -> int:
+        return len(seat.lane.pending) + seat.lane.taken
 
 
 class Partition(_QueuePolicy):
@@ -214,23 +224,20 @@ class Partition(_QueuePolicy):
             )
         return None
 
-    def join(self, membership: Membership, start: int, consumers: list[Consumer]) -> Lane | None:
+    def join(self, membership: Membership, start: int) -> Holder | None:
         if membership.rank in self._by_rank:
             return None  # that rank's share is already taken: a new Run makes it again
         lane = self._queue_lane(membership.rank, start)
         self._by_rank[membership.rank] = lane
         self.lanes.append(lane)
-        return lane
+        return Holder(membership, lane)
 
-    def _lane_of(self, consumer: Consumer) -> QueueLane:
-        return self._by_rank[consumer.membership.rank]
+    def finished(self, seat: Holder) -> bool:
+        return seat.lane.complete
 
-    def finished(self, consumer: Consumer) -> bool:
-        return self._lane_of(consumer).complete
-
-    def let_go(self, consumer: Consumer) -> None:
-        lane = self._lane_of(consumer)
-        held, consumer.holding = consumer.holding, []
+    def let_go(self, seat: Holder) -> None:
+        lane = seat.lane
+        held, seat.holding = seat.holding, []
         if not lane.complete or lane.pending or held:
             # A rank left before the end of its share: make nothing more for it and hand every
             # slot back, including one its stream may still be copying from when this runs on
@@ -269,13 +276,13 @@ class Dynamic(_QueuePolicy):
     def run_world_size(membership: Membership) -> int:
         return 1
 
-    def join(self, membership: Membership, start: int, consumers: list[Consumer]) -> Lane | None:
-        return None if self._lane.drained else self._lane
+    def join(self, membership: Membership, start: int) -> Holder | None:
+        return None if self._lane.drained else Holder(membership, self._lane)
 
-    def _lane_of(self, consumer: Consumer) -> QueueLane:
-        return self._lane
+    def asking(self, seat: Holder) -> None:
+        seat.waiting_since = None
 
-    def finished(self, consumer: Consumer) -> bool:
+    def finished(self, seat: Holder) -> bool:
         # Not while another consumer still holds batches: they come back here if it goes away
         # before sending them. A peer that holds one longer than handback_timeout does not keep
         # this stream open.
@@ -283,22 +290,29 @@ class Dynamic(_QueuePolicy):
         if not lane.complete:
             return False
         now = time.monotonic()
-        if consumer.waiting_since is None:
-            consumer.waiting_since = now
-        return lane.taken == 0 or now - consumer.waiting_since >= _seconds(
-            self.spec.handback_timeout
-        )
+        if seat.waiting_since is None:
+            seat.waiting_since = now
+        return lane.taken == 0 or now - seat.waiting_since >= _seconds(self.spec.handback_timeout)
 
-    def let_go(self, consumer: Consumer) -> None:
+    def let_go(self, seat: Holder) -> None:
         # Batches it took but did not finish sending go to the next consumer that asks, first,
         # so none is lost and the order stays as close as it can.
-        held, consumer.holding = consumer.holding, []
+        held, seat.holding = seat.holding, []
         for entry in reversed(held):
             self._lane.pending.appendleft(entry)
         self._lane.taken -= len(held)
 
 
-class Broadcast(Policy):
+class Reader(Seat):
+    """A broadcast consumer: the lane position it reads next, and when it last sent one."""
+
+    def __init__(self, membership: Membership, lane: Lane, start: int) -> None:
+        super().__init__(membership, lane)
+        self.cursor = start
+        self.moved_at = time.monotonic()
+
+
+class Broadcast(Policy[Reader]):
     """One lane; every consumer reads every entry at its own cursor. An entry is retired once
     every consumer has sent it, and the lane holds at most `broadcast_window` entries, so the
     fastest consumer is at most that far ahead of the slowest."""
@@ -311,185 +325,116 @@ class Broadcast(Policy):
         self._lane = BroadcastLane(self.spec.in_order, self.spec.broadcast_window)
         self._lane.begin(self._lane_tasks(0), start, self._iterable)
         self.lanes.append(self._lane)
+        # The consumers served, in the order they joined: those that left or were detached are
+        # not (they no longer hold the window back).
+        self._readers: list[Reader] = []
         self._ranks: set[int] = set()
         # With a known group nothing is retired until all of it has joined (or group_timeout
         # has passed), so consumers that start a little apart still share.
         self._holding_for_group = self.key.world_size > 1
         self._started_at = time.monotonic()
-        # The lane is full of batches the slowest consumer has not passed: the Run waits.
-        self._hungry = False
 
-    def join(self, membership: Membership, start: int, consumers: list[Consumer]) -> Lane | None:
+    def join(self, membership: Membership, start: int) -> Reader | None:
         if start < self._lane.base:
             return None  # its next batch is gone; this consumer gets a Run of its own
-        if self.key.world_size > 1 and any(c.membership.rank == membership.rank for c in consumers):
+        if self.key.world_size > 1 and any(
+            r.membership.rank == membership.rank for r in self._readers
+        ):
             return None  # that rank is here already
         self._ranks.add(membership.rank)
-        return self._lane
+        reader = Reader(membership, self._lane, start)
+        self._readers.append(reader)
+        return reader
 
-    def take(self, consumer: Consumer) -> Entry | None:
-        if consumer.cursor < self._lane.produced:
-            return self._lane.entry(consumer.cursor)
+    def take(self, seat: Reader) -> Entry | None:
+        if seat.cursor < self._lane.produced:
+            return self._lane.entry(seat.cursor)
         return None
 
-    def finished(self, consumer: Consumer) -> bool:
+    def finished(self, seat: Reader) -> bool:
         return self._lane.complete
 
-    def done(self, consumer: Consumer, entry: Entry) -> None:
-        if entry.position == consumer.cursor:
-            consumer.cursor += 1
+    def done(self, seat: Reader, entry: Entry) -> None:
+        seat.moved_at = time.monotonic()
+        if entry.position == seat.cursor:
+            seat.cursor += 1
 
-    def let_go(self, consumer: Consumer) -> None:
-        pass  # its cursor no longer holds the window back: the next make_room retires
+    def let_go(self, seat: Reader) -> None:
+        # Its cursor no longer holds the window back: the next make_room retires.
+        if seat in self._readers:
+            self._readers.remove(seat)
 
-    def complete(self) -> bool:
-        complete = super().complete()
-        if complete:
-            self._end_board()
-        return complete
-
-    def follow_board(self) -> Board:
-        lane = self._lane
-        if lane.board is None:
-            made = Board(lane.window)
-            for entry in lane.entries:  # what was made before anyone followed
-                made.publish(entry, lane.base)
-            lane.board = made
-            if lane.complete:
-                self._end_board()
-        return lane.board
-
-    def published(self, consumers: list[Consumer]) -> None:
-        for c in consumers:
-            if c.control is not None:
-                c.control.wake_client()
-
-    def _end_board(self) -> None:
-        lane = self._lane
-        if lane.board is not None:
-            lane.board.end(lane.produced, lane.base)
-
-    def reach(self, consumer: Consumer, position: int) -> list[Entry]:
-        lane = self._lane
-        position = min(position, lane.produced)  # a client cannot pass what was not made
-        if position <= consumer.cursor:
-            return []
-        passed = [lane.entry(p) for p in range(consumer.cursor, position)]
-        consumer.cursor = position
-        consumer.passed(passed)
-        return passed
-
-    def _catch_up(self, consumers: list[Consumer]) -> None:
-        """Moves the cursors of the consumers following the board to their clients' (their
-        streams' threads do at each wake-up, which may be a tick away)."""
-        for c in consumers:
-            if c.control is not None:
-                self.reach(c, c.control.consumed())
-
-    def framed(self, consumer: Consumer, since: int) -> list[Entry]:
-        lane = self._lane
-        positions = range(max(since, consumer.cursor), lane.produced)
-        return [
-            entry
-            for entry in map(lane.entry, positions)
-            if entry.error is not None or entry.delivery.slot is None
-        ]
-
-    def end_of(self, consumer: Consumer) -> int | None:
-        lane = self._lane
-        if not lane.complete:
-            return None
-        self._end_board()  # a Run that failed ends without complete() (NOTE [ Run states ])
-        return lane.produced if consumer.cursor >= lane.produced else None
-
-    def lag(self, consumer: Consumer, consumers: list[Consumer]) -> int:
-        return max((c.cursor for c in consumers), default=0) - consumer.cursor
+    def lag(self, seat: Reader) -> int:
+        return max((r.cursor for r in self._readers), default=0) - seat.cursor
 
     def set_window(self, window: int) -> None:
         pass  # the broadcast window is the spec's, whatever the engine keeps in flight
 
-    def make_room(self, lane: Lane, consumers: list[Consumer]) -> None:
+    def make_room(self, lane: Lane) -> None:
         if self._holding_for_group and (
             len(self._ranks) >= self.key.world_size
             or time.monotonic() - self._started_at >= _seconds(self.spec.group_timeout)
         ):
             self._holding_for_group = False
-        lane = self._lane
-        if lane.backlog() >= lane.window:
-            self._catch_up(consumers)
-            self._retire(consumers)
-        self._ask_for_rings(consumers)
+        if self._lane.backlog() >= self._lane.window:
+            self._retire()
 
-    def _ask_for_rings(self, consumers: list[Consumer]) -> None:
-        """While the lane stays full, the slowest consumers following the board ring their
-        doorbells after each release, so the Run hears at once that it has room; the others,
-        and everyone once there is room, are quiet (NOTE [ Broadcast board ])."""
+    def _retire(self) -> None:
+        """Retires the entries every consumer has sent, and detaches a consumer that has held
+        the others back for detach_timeout."""
         lane = self._lane
-        if not any(c.control is not None for c in consumers):
-            self._hungry = False  # nobody to wait for on a board: the Run polls as usual
+        readers = self._readers
+        if self._holding_for_group or not readers:
             return
-        full = lane.backlog() >= lane.window and not lane.tasks_done and not self._holding_for_group
-        if not full and not self._hungry:
-            return
-        slowest = min(c.cursor for c in consumers)
-        for c in consumers:
-            if c.control is not None:
-                c.control.ask_for_rings(full and c.cursor == slowest)
-        self._hungry = full
-        if full:
-            # A release stored before the client saw it was asked to ring would not ring: look
-            # once more (and at worst the Run's next poll, HUNGRY_POLL later, sees it).
-            self._catch_up(consumers)
-            self._retire(consumers)
-
-    def hungry(self) -> bool:
-        return self._hungry
-
-    def _retire(self, consumers: list[Consumer]) -> None:
-        """Retires the entries every consumer has sent, and detaches (removes from
-        `consumers`) a consumer that has held the others back for detach_timeout."""
-        lane = self._lane
-        if self._holding_for_group or not consumers:
-            return
-        slowest = min(c.cursor for c in consumers)
+        slowest = min(r.cursor for r in readers)
         lane.retire_before(slowest)
         if lane.backlog() < lane.window:
             return
-        fastest = max(c.cursor for c in consumers)
+        fastest = max(r.cursor for r in readers)
         if fastest == slowest or not lane.entries:
             return  # nobody is being held back
         now = time.monotonic()
         # A consumer is stalled from when the batch it needs was there to send (or from its
         # last batch, if later): time spent waiting for production is not its fault.
         available_at = lane.entries[0].made_at
-        for c in list(consumers):
-            stalled = now - max(c.moved_at, available_at)
-            if c.cursor == slowest and stalled >= self.spec.detach_timeout:
+        for r in list(readers):
+            stalled = now - max(r.moved_at, available_at)
+            if r.cursor == slowest and stalled >= self.spec.detach_timeout:
                 log.warning(
                     "loader %r job %r epoch %d: detaching broadcast consumer rank %d: it sent "
                     "nothing for %.1f s while others waited (detach_timeout)",
                     self.spec.name,
-                    self.key.job,
+                    clip(self.key.job),
                     self.key.epoch,
-                    c.membership.rank,
+                    r.membership.rank,
                     stalled,
                 )
-                c.detached = (
+                readers.remove(r)
+                self._detach(
+                    r,
                     f"detached from the broadcast of loader {self.spec.name!r}: it sent no "
                     f"batch for {self.spec.detach_timeout:g} s (detach_timeout) while the "
-                    f"other consumers waited; it was {fastest - slowest} batches behind"
+                    f"other consumers waited; it was {fastest - slowest} batches behind",
                 )
-                consumers.remove(c)
-        if consumers:
-            lane.retire_before(min(c.cursor for c in consumers))
+        if readers:
+            lane.retire_before(min(r.cursor for r in readers))
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Partition, Broadcast, Dynamic)}
+POLICIES: dict[str, type[Policy[Any]]] = {p.name: p for p in (Partition, Broadcast, Dynamic)}
 
 
-def policy_for(sharing: str) -> type[Policy]:
+def policy_for(sharing: str) -> type[Policy[Any]]:
     """The policy of a sharing mode (Membership.check has refused unknown ones)."""
     return POLICIES[sharing]
+
+
+def admit(membership: Membership, spec: LoaderSpec, iterable: bool) -> None:
+    """Raises SharingError, saying what is allowed, for a membership the loader refuses: what
+    every mode refuses (Membership.check), then what its policy does."""
+    membership.check(spec, iterable)
+    refusal = policy_for(membership.sharing).refusal(membership, spec, iterable)
+    if refusal is not None:
+        raise SharingError(refusal)
 
 
 def _seconds(timeout: float | None) -> float:

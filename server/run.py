@@ -14,9 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
-from remote_loader.protos import shm
-from remote_loader.server.board import Board
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.engine import (
     POLL_INTERVAL,
@@ -31,9 +30,10 @@ from remote_loader.server.errors import (
     LoaderBrokenError,
 )
 from remote_loader.server.lanes import MIN_LANE_WINDOW, Entry, Lane
+from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import Membership
-from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.policies import HUNGRY_POLL, Policy, policy_for
+from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.policies import Policy, Seat, policy_for
 from remote_loader.server.sampling import EpochPlan, batch_seed
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError
@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 #             ended; entries wait for their consumers.
 #   failed    the engine broke: `fatal` (the workers cannot start: every next() raises) or one
 #             error entry at each open lane's next position. The thread ends as in `made`.
-#   closing   the last consumer detached, or the server is shutting down
-#             (`closed_by_server`). No consumer attaches, nothing more is submitted, the thread
-#             leaves at its next step and gives the engine back (end_epoch).
+#   closing   the last consumer detached, or the server is shutting down (`close(reason)`
+#             sets `closed_by_server`). No consumer attaches, nothing more is submitted, the
+#             thread leaves at its next step and gives the engine back (end_epoch).
 #   closed    `wait_closed()` joined the thread; every entry left is dropped.
 #
 # Invariants:
@@ -79,48 +79,53 @@ class LeaseAbandoned(Exception):
 
 
 class Consumer:
-    """One stream's handle on its Run: `next()` an entry, send it, `done()` with it."""
+    """One stream's handle on its Run: `next()` an entry, send it, `done()` with it.
 
-    def __init__(self, run: Run, membership: Membership, lane: Lane, start: int) -> None:
+    What it keeps is what every sharing mode needs; what one mode keeps per consumer is its
+    policy's (`seat`, server/policies.py). `on_close(consumer, join)` is the registry's
+    (Runs._detach): `join` waits (bounded) for a Run this ends to end."""
+
+    def __init__(
+        self,
+        run: Run,
+        membership: Membership,
+        seat: Seat,
+        on_close: Callable[[Consumer, bool], None],
+    ) -> None:
         self.run = run
         self.membership = membership
-        self.lane = lane
-        self.moved_at = time.monotonic()
-        self.closed = False
-        self.detached: str | None = None  # why the Run let go of this consumer
-        # The policy's per-consumer state (server/policies.py): broadcast, the lane position
-        # this consumer reads next; partition and dynamic, the entries it took and has not
-        # sent yet; dynamic, since when it has waited with only peers' batches left.
-        self.cursor = start
-        self.holding: list[Entry] = []
-        self.waiting_since: float | None = None
+        self.seat = seat
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
-        # Following the Run's board (NOTE [ Broadcast board ]): the stream's control ring, where
-        # the Run reads the client's position, asks it to ring while the Run waits on it, and
-        # wakes it when it sleeps for the next record; None: the consumer is sent its batches.
-        self.control: shm.RingWriter | None = None
-        self.passed_nbytes = 0  # encoded bytes of the batches passed on the board
-        # Runs._detach(consumer, join): `join` waits (bounded) for a Run this ends to end.
-        self._on_close: Callable[[Consumer, bool], None] = lambda consumer, join: None
+        self.errors = 0  # errors at batch positions sent (the stream's end line)
+        self._on_close = on_close
+        # Both set by the Run, under its `cond`: the Run has let go of this consumer (next()
+        # returns None), and why, if the consumer did not ask to go (next() raises it).
+        self._closed = False
+        self._detached: str | None = None
+
+    @property
+    def detached(self) -> str | None:
+        """Why the Run let go of this consumer while it still read (None: it did not)."""
+        return self._detached
 
     def next(self, cancelled: threading.Event) -> Entry | None:
         """The next entry to send, or None at the end of this consumer's epoch (or once
         `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
         run = self.run
         asked = time.monotonic()
-        self.waiting_since = None
         with run.cond:
+            run.policy.asking(self.seat)
             while True:
                 self._raise_if_let_go()
-                if self.closed or cancelled.is_set():
+                if self._closed or cancelled.is_set():
                     return None
-                entry = run.policy.take(self)
+                entry = run.policy.take(self.seat)
                 if entry is not None:
                     self._taken_at = time.monotonic()
                     self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
                     return entry
-                if run.policy.finished(self):
+                if run.policy.finished(self.seat):
                     return None
                 run.cond.wait(POLL_INTERVAL)
 
@@ -133,53 +138,21 @@ class Consumer:
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
                 f"{e.message}\nOriginal {e.traceback.rstrip()}"
             )
-        if self.detached is not None:
-            raise (ClosingError if run.closed_by_server else DetachedError)(self.detached)
-
-    def follow_board(self) -> Board:
-        """The board of this consumer's Run, opened now if nobody follows it yet (NOTE
-        [ Broadcast board ]). Raises ShmUnavailable when /dev/shm refuses it, and TypeError for
-        a sharing mode without one."""
-        with self.run.cond:
-            return self.run.policy.follow_board()
-
-    def reach(
-        self, released: int, framed: int
-    ) -> tuple[list[tuple[Entry, Callable[[], None]]], int | None]:
-        """For a consumer that follows its Run's board (server/board.py), with `cond` held:
-        its client is done with the positions before `released`, and has been sent the Frames of
-        those before `framed`. Moves the cursor there and returns (the entries from `framed` on
-        whose records ask for Frames, each leased until the returned function is called; the
-        position after its last batch once its epoch is over, else None). Raises as `next()`
-        does when the consumer gets nothing more."""
-        self._raise_if_let_go()
-        if self.closed:  # let go (its client went): the Run may have retired past its cursor
-            return [], None
-        policy = self.run.policy
-        if policy.reach(self, released) and policy.hungry():
-            self.run.cond.notify_all()  # the Run waits for room in the window
-        frames = [(entry, entry.lease()) for entry in policy.framed(self, framed)]
-        return frames, policy.end_of(self)
-
-    def passed(self, entries: list[Entry]) -> None:
-        """A consumer following the board passed `entries` (its client is done with them)."""
-        self.moved_at = time.monotonic()
-        nbytes = sum(entry.nbytes for entry in entries)  # an error's is 0
-        errors = sum(1 for entry in entries if entry.error is not None)
-        self.passed_nbytes += nbytes
-        self.metrics.sent_many(len(entries) - errors, nbytes, errors)
+        if self._detached is not None:
+            raise (ClosingError if run.closed_by_server else DetachedError)(self._detached)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
         run = self.run
         self.metrics.sending(time.monotonic() - self._taken_at)
         with run.cond:
-            self.moved_at = time.monotonic()
-            run.policy.done(self, entry)
+            run.policy.done(self.seat, entry)
             run.cond.notify_all()
 
     def sent(self, entry: Entry) -> None:
         """`entry` reached the client (for metrics: batches, bytes or errors served)."""
+        if entry.error is not None:
+            self.errors += 1
         self.metrics.sent(entry.nbytes, entry.error is not None)
 
     def close(self) -> None:
@@ -193,6 +166,17 @@ class Consumer:
         not wait, not even for a lock. The stream's own `close()` in its handler does the
         waiting."""
         self._on_close(self, False)
+
+    def dismiss(self, why: str) -> None:
+        """The Run lets go of this consumer while it still reads (with `cond` held): its next
+        `next()` raises `why`."""
+        self._detached = why
+
+    def mark_closed(self) -> bool:
+        """The Run lets go of this consumer (with `cond` held); False if it already had, so
+        what the consumer held is settled once."""
+        first, self._closed = not self._closed, True
+        return first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +206,7 @@ class Run:
         lease: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
+        on_close: Callable[[Consumer, bool], None],
         start: int = 0,
         metrics: LoaderMetrics | None = None,
     ) -> None:
@@ -230,6 +215,7 @@ class Run:
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
         self._lease = lease
+        self._on_close = on_close  # each Consumer's (Consumer.close, Consumer.let_go)
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
         self.closing = False
@@ -242,8 +228,14 @@ class Run:
         self._window = MIN_LANE_WINDOW  # a queue lane's, from the engine's max_outstanding
         # The lanes and who reads what; a queue lane's window is set again once the engine
         # (and its max_outstanding) is known.
-        self.policy: Policy = policy_for(key.sharing)(
-            key, spec, plan, iterable=iterable, start=start, window=MIN_LANE_WINDOW
+        self.policy: Policy[Any] = policy_for(key.sharing)(
+            key,
+            spec,
+            plan,
+            iterable=iterable,
+            start=start,
+            window=MIN_LANE_WINDOW,
+            detach=self._dismiss,
         )
         self._thread = threading.Thread(
             target=self._produce,
@@ -266,10 +258,10 @@ class Run:
         with self.cond:
             if self.closing:
                 return None
-            lane = self.policy.join(membership, start, self.consumers)
-            if lane is None:
+            seat = self.policy.join(membership, start)
+            if seat is None:
                 return None
-            consumer = Consumer(self, membership, lane, start)
+            consumer = Consumer(self, membership, seat, self._on_close)
             self.consumers.append(consumer)
             self.cond.notify_all()
             return consumer
@@ -277,16 +269,44 @@ class Run:
     def detach(self, consumer: Consumer) -> bool:
         """Lets go of `consumer`; True when it was the last one and the Run is now closing."""
         with self.cond:
-            if consumer.closed:
+            if not consumer.mark_closed():
                 return False
-            consumer.closed = True
             if consumer in self.consumers:
                 self.consumers.remove(consumer)
-            self.policy.let_go(consumer)
+            self.policy.let_go(consumer.seat)
             if not self.consumers:
                 self.closing = True
             self.cond.notify_all()
             return self.closing
+
+    def close(self, reason: str) -> None:
+        """Ends the Run for the server's reason (shutdown): every consumer's stream fails with
+        `reason` (ClosingError), and the thread leaves at its next step (`wait_closed`)."""
+        with self.cond:
+            self.closing = self.closed_by_server = True
+            consumers = list(self.consumers)
+            for consumer in consumers:
+                consumer.dismiss(reason)
+            self.cond.notify_all()
+        for consumer in consumers:
+            self.detach(consumer)
+
+    def lags(self) -> list[ConsumerRow]:
+        """Each consumer served and how many batches it is behind (for metrics)."""
+        with self.cond:
+            return [
+                (c.membership.job, c.membership.sharing, c.membership.rank, self.policy.lag(c.seat))
+                for c in self.consumers
+            ]
+
+    def _dismiss(self, seat: Seat, why: str) -> None:
+        """The policy let go of the consumer in `seat` (with `cond` held): it is served no more,
+        and its stream ends with `why` (DetachedError)."""
+        for consumer in self.consumers:
+            if consumer.seat is seat:
+                consumer.dismiss(why)
+                self.consumers.remove(consumer)
+                return
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Waits until the Run's thread has given its engine back, then drops what is left;
@@ -354,14 +374,12 @@ class Run:
             self._submit(engine)
             if engine.outstanding == 0:
                 if self.policy.complete():
-                    self.policy.published(self.consumers)  # the board's END
                     self.cond.notify_all()
                     return False  # everything is made; the entries stay until sent
-                # A full lane may wait for consumers that follow its board, whose rings can be
-                # missed (NOTE [ Broadcast board ]): look again soon.
-                self.cond.wait(HUNGRY_POLL if self.policy.hungry() else POLL_INTERVAL)
+                self.cond.wait(POLL_INTERVAL)
                 return True
         outcome = engine.poll(POLL_INTERVAL)
+        failed: list[tuple[Lane, int, RemoteError]] = []
         if outcome is not None:
             with self.cond:
                 lane, local_id, submitted_at = self._tasks.pop(outcome.task_id)
@@ -372,13 +390,40 @@ class Run:
                 lane.reorder.put(local_id, outcome.delivery)
                 for delivery in lane.reorder.ready():
                     if delivery is not None:  # None: that worker's IterableDataset ran dry
-                        lane.add(delivery)
+                        failed.extend(self._add(lane, delivery))
                         self.metrics.batch_ready(
                             delivery.submitted_at, delivery.received_at, time.monotonic()
                         )
-                self.policy.published(self.consumers)
                 self.cond.notify_all()
+        self._log_errors(failed)
         return True
+
+    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, RemoteError]]:
+        """With `cond` held: `delivery` takes `lane`'s next position; returns the error made
+        there, if it is one, for `_log_errors` (after `cond` is let go)."""
+        position = lane.produced
+        lane.add(delivery)
+        return [] if delivery.error is None else [(lane, position, delivery.error)]
+
+    def _log_errors(self, failed: list[tuple[Lane, int, RemoteError]]) -> None:
+        """Logs each error made at a batch's position: here, where it is made once, not in each
+        stream that sends it (a broadcast error goes to every consumer)."""
+        for lane, position, error in failed:
+            lines = error.traceback.strip().splitlines() or [f"{error.type}: {error.message}"]
+            rank = {"rank": lane.rank} if self.key.sharing == "partition" else {}
+            log.warning(
+                "dataset error %s",
+                logfmt(
+                    loader=self.spec.name,
+                    job=self.key.job,
+                    epoch=self.key.epoch,
+                    sharing=self.key.sharing,
+                    **rank,
+                    batch=position,
+                    where=error.where,
+                    error=lines[-1],
+                ),
+            )
 
     def _submit(self, engine: Engine) -> None:
         """Submits tasks while the engine has room, the lanes taking turns (fairness)."""
@@ -387,7 +432,7 @@ class Run:
         while engine.outstanding < engine.max_outstanding:
             for i in range(n):
                 lane = lanes[(self._turn + i) % n]
-                self.policy.make_room(lane, self.consumers)
+                self.policy.make_room(lane)
                 if lane.wants_task():
                     self._turn = (self._turn + i + 1) % n
                     break
@@ -412,11 +457,13 @@ class Run:
 
     def _fail(self, error: RemoteError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
+        failed = []
         with self.cond:
             for lane in self.policy.lanes:
                 lane.tasks_done = True
                 lane.outstanding = 0
                 if lane.tasks is not None and not lane.abandoned and not self.closing:
-                    lane.add(Delivery(error=error))
+                    failed.extend(self._add(lane, Delivery(error=error)))
             self._tasks.clear()
             self.cond.notify_all()
+        self._log_errors(failed)

@@ -115,7 +115,10 @@ class EpochPlan:
     A task is what one worker fetch gets: a list of indices, or one index without automatic
     batching. `lane(rank)` may be called once per rank. `indices(rank)`, when set, is each of
     the rank's tasks' index in the epoch (an elastic resume, server/elastic.py); else rank r's
-    k-th task is the epoch's batch k * world_size + r.
+    k-th task is the epoch's batch k * world_size + r. `tasks()`, when set, is every rank's
+    tasks at once, interleaved as deal() interleaves them (rank r's k-th at k * world_size + r,
+    its index in the epoch), made in one pass over the epoch (a lane(r) per rank walks the
+    whole epoch each: quadratic in world_size); use lane or tasks, not both.
     """
 
     seed: int
@@ -124,6 +127,7 @@ class EpochPlan:
     world_size: int
     lane: Callable[[int], Iterator[Any]]
     indices: Callable[[int], list[int]] | None = None
+    tasks: Callable[[], list[Any]] | None = None
 
 
 def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> list[Any]:
@@ -142,6 +146,40 @@ def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> 
         drop_last=drop_last,
     )
     return [items[i] for i in sampler]
+
+
+def deal(items: Sequence[Any], world_size: int, drop_last: bool) -> list[Any]:
+    """Every rank's share of `items` at once, interleaved: share(items, r, world_size,
+    drop_last) == deal(items, world_size, drop_last)[r::world_size], in time linear in
+    len(items) + world_size (a share() per rank walks all the items each).
+
+    DistributedSampler's rule, to which tests/test_requests.py holds it: the items repeated
+    from the start up to world_size * share_size (or cut to it, with drop_last).
+    """
+    total = share_size(len(items), world_size, drop_last) * world_size
+    order = list(items)
+    if total > len(order):
+        return (order * math.ceil(total / len(order)))[:total]
+    del order[total:]
+    return order
+
+
+def batch_dealt(
+    dealt: list[Any], world_size: int, batch_size: int | None, drop_last: bool
+) -> list[Any]:
+    """BatchSampler(share, batch_size, drop_last) over every rank's share of `dealt` (deal()'s
+    interleaving), interleaved the same way: rank r's k-th batch at k * world_size + r."""
+    if batch_size is None:
+        return dealt
+    per_rank = len(dealt) // world_size  # deal() gives every rank as many
+    # Row i holds every rank's i-th sample; zipping a batch's rows makes every rank's batch
+    # in one C-level pass, not a Python call per rank (2**16 ranks cost seconds so).
+    rows = [dealt[i * world_size : (i + 1) * world_size] for i in range(per_rank)]
+    stop = per_rank - per_rank % batch_size if drop_last else per_rank
+    batches: list[Any] = []
+    for start in range(0, stop, batch_size):
+        batches.extend(map(list, zip(*rows[start : start + batch_size], strict=True)))
+    return batches
 
 
 def share_size(n: int, world_size: int, drop_last: bool) -> int:
@@ -201,7 +239,7 @@ def plan_epoch(
     if world_size == 1:
         tasks = iter(index_sampler)
         base_seed = _draw_base_seed(generator)
-        return EpochPlan(seed, epoch, base_seed, 1, lambda rank: tasks)
+        return EpochPlan(seed, epoch, base_seed, 1, lambda rank: tasks, tasks=lambda: list(tasks))
 
     if isinstance(dataset, IterableDataset):
         raise ValueError("an IterableDataset cannot be partitioned by the server")
@@ -213,7 +251,12 @@ def plan_epoch(
         base_seed = _draw_base_seed(generator)
         batches = list(tasks)
         return EpochPlan(
-            seed, epoch, base_seed, world_size, lambda r: iter(share(batches, r, world_size, drop))
+            seed,
+            epoch,
+            base_seed,
+            world_size,
+            lambda r: iter(share(batches, r, world_size, drop)),
+            tasks=lambda: deal(batches, world_size, drop),
         )
 
     def batched(samples: Any) -> Iterator[Any]:
@@ -239,7 +282,18 @@ def plan_epoch(
             part.set_epoch(epoch)
             return batched(part)
 
-        return EpochPlan(seed, epoch, base_seed, world_size, default_lane)
+        def default_tasks() -> list[Any]:
+            # DistributedSampler's order does not depend on num_replicas (one permutation of
+            # the dataset, seeded seed + epoch), so one replica's is the order every rank's
+            # share is cut from; deal() cuts them all in one pass.
+            whole: DistributedSampler[Any] = DistributedSampler(
+                dataset, num_replicas=1, rank=0, shuffle=bool(spec.shuffle), seed=seed
+            )
+            whole.set_epoch(epoch)
+            dealt = deal(list(whole), world_size, drop)
+            return batch_dealt(dealt, world_size, batch_size, loader.drop_last)
+
+        return EpochPlan(seed, epoch, base_seed, world_size, default_lane, tasks=default_tasks)
 
     # A custom sampler: its order of this epoch (drawn after the base seed, as torch draws it),
     # split by sample, then batched per rank.
@@ -256,4 +310,7 @@ def plan_epoch(
         base_seed,
         world_size,
         lambda r: batched(share(samples, r, world_size, drop)),
+        tasks=lambda: batch_dealt(
+            deal(samples, world_size, drop), world_size, batch_size, loader.drop_last
+        ),
     )

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -30,11 +31,13 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.auth import TokenInterceptor
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.listen import check_address_free
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import ConfigError, LoaderSpec
 from remote_loader.server.transports import DataListener
+from remote_loader.server.validation import decoder
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,17 @@ class Server:
         settings: ServerSettings | None,
         loaders: Iterable[LoaderSpec] | Mapping[str, LoaderSpec],
     ) -> None:
+        refuse_while_bootstrapping()
         self.settings = settings if settings is not None else ServerSettings()
         specs = _by_name(loaders)
+        # Before the loaders are built (datasets, persistent workers): a port in use is the
+        # cheapest error to find. create_server checks again, right before gRPC binds.
+        check_address_free(self.settings.address)
         self.hosts = build_hosts(
             specs,
             max_batch_bytes=self.settings.max_batch_bytes,
             ray_address=self.settings.ray_address,
+            metrics_max_consumers=self.settings.metrics_max_consumers,
         )
         try:
             self._server = create_server(self.hosts, self.settings)
@@ -201,11 +209,59 @@ def worker_context() -> multiprocessing.context.BaseContext:
     warmup = ctx.Process(target=_noop, name="remote-loader-warmup")
     warmup.start()
     warmup.join()
+    if warmup.exitcode != 0:
+        # _noop cannot fail: the process died while it bootstrapped, i.e. while it imported
+        # the main module again. See NOTE [ Main module guard ].
+        raise RuntimeError(
+            f"the server's worker processes cannot start: one exited with code "
+            f"{warmup.exitcode} before it ran anything. {_guard_advice()}"
+        )
     return ctx
 
 
 def _noop() -> None:
     pass
+
+
+# NOTE [ Main module guard ]
+#
+# Workers are started by multiprocessing's forkserver (see worker_context), and every process
+# it starts first imports the parent's main module again, as `__mp_main__`, so that what the
+# script defines can be unpickled there. A script that builds a Server at its top level, with
+# no `if __name__ == "__main__":` guard, builds one again in each of them, while that process
+# is still bootstrapping: multiprocessing refuses to start a process then ("An attempt has
+# been made to start a new process before the current process has finished its bootstrapping
+# phase"), the child exits 1, and the pool would see its workers die at start, 7 times in a
+# row. Two checks name the guard instead:
+#
+#   child:  Server() while current_process()._inheriting (set by multiprocessing.spawn for
+#           exactly that import)  -> RuntimeError naming the guard, on the child's stderr
+#   parent: worker_context's warm-up process (a no-op) exits non-zero -> it died importing the
+#           main module -> RuntimeError naming the guard, raised by Server()
+
+
+def _guard_advice() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    script = f" ({path})" if path else ""
+    return (
+        f"Each worker process imports the main module{script} again, as multiprocessing's "
+        "forkserver and spawn start methods do, and that import failed there: a script that "
+        'builds a Server must do so under `if __name__ == "__main__":` (NOTE [ Main module '
+        "guard ] in remote_loader.server.server); the worker's own error is above."
+    )
+
+
+def refuse_while_bootstrapping() -> None:
+    """Raises RuntimeError naming the `if __name__ == "__main__":` guard when called while this
+    process, a child of multiprocessing, imports its parent's main module (NOTE [ Main
+    module guard ])."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "a Server is being built while a worker process imports the main module again "
+            "(multiprocessing's bootstrapping phase), which would start a server in every "
+            'worker: build it under `if __name__ == "__main__":` in your script'
+        )
 
 
 def build_hosts(
@@ -214,6 +270,7 @@ def build_hosts(
     *,
     max_batch_bytes: int = ServerSettings.max_batch_bytes,
     ray_address: str | None = None,
+    metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
     ctx = ctx or worker_context()
@@ -221,7 +278,11 @@ def build_hosts(
     try:
         for name, spec in specs.items():
             hosts[name] = LoaderHost(
-                spec, ctx, max_batch_bytes=max_batch_bytes, ray_address=ray_address
+                spec,
+                ctx,
+                max_batch_bytes=max_batch_bytes,
+                ray_address=ray_address,
+                metrics_max_consumers=metrics_max_consumers,
             )
             hosts[name].start()
     except BaseException:
@@ -287,29 +348,30 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     tls = settings.server_tls()
     token = settings.auth_token()
     address = settings.address
-    listen_data = resolve_data_address(settings.data_address, address, tls is not None)
+    listen_data = resolve_data_address(settings.data_address, address)
     service = LoaderService(
         hosts,
         settings.chunk_size,
         settings.max_ring_bytes,
         zero_copy=settings.zero_copy,
         max_streams=settings.max_streams,
+        idle_stream_timeout=settings.idle_stream_timeout,
         client_silence=(settings.keepalive_time_ms + settings.keepalive_timeout_ms) / 1000,
     )
     handlers = {
         "ListLoaders": grpc.unary_unary_rpc_method_handler(
             service.ListLoaders,
-            request_deserializer=pb.ListLoadersRequest.FromString,
+            request_deserializer=decoder(pb.ListLoadersRequest.FromString),
             response_serializer=pb.ListLoadersResponse.SerializeToString,
         ),
         "Describe": grpc.unary_unary_rpc_method_handler(
             service.Describe,
-            request_deserializer=pb.DescribeRequest.FromString,
+            request_deserializer=decoder(pb.DescribeRequest.FromString),
             response_serializer=pb.LoaderInfo.SerializeToString,
         ),
         # No response serializer: the handler yields Frames it serialized itself (see wire.py).
         "Stream": grpc.unary_stream_rpc_method_handler(
-            service.Stream, request_deserializer=pb.StreamRequest.FromString
+            service.Stream, request_deserializer=decoder(pb.StreamRequest.FromString)
         ),
     }
     options: list[tuple[str, Any]] = [
@@ -346,6 +408,7 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         grpc_reflection.enable_server_reflection(
             (wire.SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), server
         )
+    check_address_free(address)
     try:
         if tls is not None:
             port = server.add_secure_port(address, tls.credentials())
@@ -366,7 +429,11 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         metrics = MetricsServer(settings.metrics_address, [host.metrics for host in hosts.values()])
     if listen_data is not None:
         try:
-            service.listener = DataListener(listen_data)
+            # With TLS, the data connections speak it too (NOTE [ TLS data connection ]).
+            data_tls = None if tls is None else tls.data_context
+            if tls is not None and data_tls is None:
+                raise ValueError("TLS material without its data connections' ssl context")
+            service.listener = DataListener(listen_data, data_tls)
         except OSError:
             if metrics is not None:
                 metrics.close()
@@ -374,21 +441,14 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     return LoaderServer(server, port, service, health_servicer, metrics)
 
 
-def resolve_data_address(data_address: str, address: str, tls: bool) -> str | None:
+def resolve_data_address(data_address: str, address: str) -> str | None:
     """HOST:PORT for the data listener, or None for none: "auto" is `address`'s host on a free
-    port (none with TLS: the connection is plaintext), "off" (or "") none."""
+    port, "off" (or "") none. On a TLS server the data connections speak TLS too."""
     if data_address in ("", "off"):
         return None
     if data_address == "auto":
-        if tls:
-            return None  # the batches stay inside TLS, over gRPC
         host, _, _ = address.rpartition(":")
         return f"{host}:0"
-    if tls:
-        raise ValueError(
-            f"data_address {data_address} is plaintext, and this server serves TLS: leave "
-            'data_address "auto" (no data connections with TLS) or set it "off"'
-        )
     return data_address
 
 

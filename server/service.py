@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import threading
 import time
@@ -21,8 +20,8 @@ import grpc
 
 from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.server import board
-from remote_loader.server.elastic import Reshard, ReshardError
+from remote_loader.server.admission import Admission, StreamSlot
+from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
@@ -30,8 +29,10 @@ from remote_loader.server.errors import (
     RequestInvalid,
     ServerError,
     SpecChanged,
+    clip,
 )
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.logfmt import logfmt
 from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer
@@ -45,6 +46,12 @@ from remote_loader.server.transports import (
     negotiate,
 )
 from remote_loader.server.transports.base import error_frame
+from remote_loader.server.validation import (
+    Undecodable,
+    check_epoch,
+    check_start,
+    decoded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class LoaderService:
         zero_copy: bool = True,
         max_streams: int = ServerSettings.max_streams,
         client_silence: float = DEFAULT_CLIENT_SILENCE,
+        idle_stream_timeout: float = ServerSettings.idle_stream_timeout,
     ) -> None:
         if not hosts:
             raise ValueError("a server needs at least one loader")
@@ -81,17 +89,15 @@ class LoaderService:
         self.listener: DataListener | None = None
         # Draining (SIGTERM): new streams are refused with UNAVAILABLE; running ones go on.
         self.draining = False
-        # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED (health and
-        # Describe are not counted: a full server still answers probes).
-        self.max_streams = max_streams
-        self._streams = 0  # always the Stream calls between their count and their finally
-        self._streams_changed = threading.Condition()
+        # Stream number max_streams + 1 is refused with RESOURCE_EXHAUSTED, or takes the place
+        # of a stream idle for idle_stream_timeout (NOTE [ Idle streams ]); health and Describe
+        # are not counted: a full server still answers probes.
+        self.admission = Admission(max_streams, idle_stream_timeout)
         self._stream_ids = itertools.count(1)  # names a stream in its log lines
 
     def wait_streams(self, timeout: float) -> bool:
         """Waits up to `timeout` s for the running streams to end; True if none is left."""
-        with self._streams_changed:
-            return self._streams_changed.wait_for(lambda: self._streams == 0, timeout)
+        return self.admission.wait_idle(timeout)
 
     def _refuse_when_draining(self) -> None:
         if self.draining:
@@ -107,7 +113,8 @@ class LoaderService:
         host = self.hosts.get(name)
         if host is None:
             raise LoaderNotFound(
-                f"no loader named {name!r}; this server hosts: {', '.join(sorted(self.hosts))}"
+                f"no loader named {clip(name)!r}; this server hosts: "
+                f"{', '.join(sorted(self.hosts))}"
             )
         return host
 
@@ -122,13 +129,17 @@ class LoaderService:
         return membership
 
     def ListLoaders(
-        self, request: pb.ListLoadersRequest, context: grpc.ServicerContext
+        self, request: pb.ListLoadersRequest | Undecodable, context: grpc.ServicerContext
     ) -> pb.ListLoadersResponse:
+        decoded("ListLoaders", request, context)
         return pb.ListLoadersResponse(names=sorted(self.hosts))
 
-    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.LoaderInfo:
+    def Describe(
+        self, request: pb.DescribeRequest | Undecodable, context: grpc.ServicerContext
+    ) -> pb.LoaderInfo:
+        described = decoded("Describe", request, context)
         with _statuses(context):
-            return self._describe(request)
+            return self._describe(described)
 
     def _describe(self, request: pb.DescribeRequest) -> pb.LoaderInfo:
         self._refuse_when_draining()
@@ -146,18 +157,10 @@ class LoaderService:
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
         seed = request.seed if request.HasField("seed") else spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError("only partition sharing resumes on another world size")
-            info.length = host.length(membership, reshard, seed, request.epoch)
+        _, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        if length is not None:  # else unsized IterableDataset, or dynamic sharing
+            info.length = length
             info.has_length = True
-        except TypeError:
-            pass  # unsized IterableDataset, or dynamic sharing: the length is unknown
-        except ReshardError as exc:
-            raise RequestInvalid(
-                f"cannot resume epoch {request.epoch} on world_size {membership.world_size}: {exc}"
-            ) from exc
         if spec.batch_size is not None and spec.batch_sampler is None:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
@@ -169,39 +172,40 @@ class LoaderService:
             info.pool.workers = int(started.get("workers", spec.num_workers))
         return info
 
-    def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Stream(
+        self, request: pb.StreamRequest | Undecodable, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        streamed = decoded("Stream", request, context)  # before it counts as a stream
         with _statuses(context):
-            yield from self._counted_stream(request, context)
+            yield from self._counted_stream(streamed, context)
 
     def _counted_stream(
         self, request: pb.StreamRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         self._refuse_when_draining()
-        with self._streams_changed:
-            full = self._streams >= self.max_streams
-            if not full:
-                self._streams += 1
-        if full:
+        slot = self.admission.admit(context)
+        if slot is None:
+            max_streams = self.admission.max_streams
             log.warning(
                 "stream refused %s",
                 logfmt(
                     peer=context.peer(),
-                    loader=request.loader,
+                    loader=clip(request.loader),
                     status="RESOURCE_EXHAUSTED",
-                    error=f"max_streams={self.max_streams} streams are running",
+                    error=f"max_streams={max_streams} streams are running",
                 ),
             )
+            idle = self.admission.idle_stream_timeout
             raise Overloaded(
-                f"this server already runs its max_streams={self.max_streams} streams; retry "
-                "when one ends, or raise the server's max_streams setting (--max-streams, "
-                "REMOTE_LOADER_MAX_STREAMS)"
+                f"this server already runs its max_streams={max_streams} streams"
+                + (f" (none has gone idle_stream_timeout={idle:g} s unread)" if idle else "")
+                + "; retry when one ends, or raise the server's max_streams setting "
+                "(--max-streams, REMOTE_LOADER_MAX_STREAMS)"
             )
         try:
-            yield from self._stream(request, context)
+            yield from self._stream(request, context, slot)
         finally:
-            with self._streams_changed:
-                self._streams -= 1
-                self._streams_changed.notify_all()
+            self.admission.release(slot)
 
     def _admit(
         self, request: pb.StreamRequest
@@ -214,30 +218,24 @@ class LoaderService:
             raise SpecChanged(
                 f"loader {host.spec.name!r} has changed: its spec's fingerprint is now "
                 f"{host.spec.fingerprint()}, the consumer's state was saved with "
-                f"{request.fingerprint}; resuming would not line the batches up. Start the "
+                f"{clip(request.fingerprint)}; resuming would not line the batches up. Start the "
                 "epoch afresh, or serve the old spec"
             )
         seed = request.seed if request.HasField("seed") else host.spec.seed
-        try:
-            reshard = Reshard.of(request.reshard)
-            if reshard is not None and membership.sharing != "partition":
-                raise ReshardError(
-                    "only partition sharing resumes on another world size (a broadcast or "
-                    "dynamic consumer's position does not depend on the world size)"
-                )
-            problem = check_positions(host, membership, request.epoch, request.start, seed, reshard)
-        except ReshardError as exc:
-            problem = f"cannot resume this epoch on world_size {membership.world_size}: {exc}"
+        reshard, length = check_epoch(host, membership, request.epoch, seed, request.reshard)
+        problem = check_start(host, request.start, length)
         if problem is None:
             try:
-                compression.check(request.compression)
+                compression.check(clip(request.compression))  # clip: the error echoes it
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
             raise RequestInvalid(problem)
         return host, membership, seed, reshard
 
-    def _stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _stream(
+        self, request: pb.StreamRequest, context: grpc.ServicerContext, slot: StreamSlot
+    ) -> Iterator[bytes]:
         host, membership, seed, reshard = self._admit(request)
         start = request.start
         cancelled = threading.Event()
@@ -252,7 +250,7 @@ class LoaderService:
             epoch=request.epoch,
             seed=seed,
             sharing=membership.sharing,
-            job=membership.job,
+            job=clip(membership.job),
             rank=f"{membership.rank}/{membership.world_size}",
             start=start,
             compression=request.compression or "none",
@@ -285,15 +283,7 @@ class LoaderService:
             # Detach at once when the client goes, even if this thread is stuck sending; the
             # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
             context.add_callback(consumer.let_go)
-            following = board.following(request, host.spec.num_workers, consumer, sender)
-            if following is not None:
-                start = progress.batches
-                progress.batches, nbytes, ended = yield from board.follow(
-                    consumer, following, sender, cancelled, self.client_silence
-                )
-                progress.board, progress.nbytes = progress.batches - start, nbytes
-            else:
-                ended = yield from _send_epoch(consumer, sender, cancelled, progress)
+            ended = yield from _send_epoch(consumer, sender, cancelled, progress, slot)
             if not ended:
                 return  # cancelled mid-batch; the finally below closes the consumer
             # Detach before the end frame: the last consumer out gives the workers back first,
@@ -322,6 +312,8 @@ class LoaderService:
             sender.close()
             done = progress.completed
             outcome = _outcome(context, cancelled.is_set() and not done, done)
+            if slot.evicted is not None and not done:  # NOTE [ Idle streams ]
+                outcome = {"outcome": "error", "status": "ABORTED", "error": slot.evicted}
             log.log(
                 logging.WARNING if "status" in outcome else logging.INFO,
                 "stream end %s %s",
@@ -330,7 +322,7 @@ class LoaderService:
                     batches=progress.batches - start,
                     bytes=progress.nbytes,
                     **{f"{sender.name}_batches": sender.batches},
-                    **({"board_batches": progress.board} if progress.board else {}),
+                    errors=consumer.errors if consumer is not None else 0,
                     seconds=f"{time.monotonic() - started:.3f}",
                     **outcome,
                 ),
@@ -344,30 +336,40 @@ class _Progress:
     batches: int  # the position of the next batch in this consumer's epoch
     nbytes: int = 0  # encoded bytes sent
     completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
-    board: int = 0  # batches the client read off its Run's board (NOTE [ Broadcast board ])
 
 
 def _send_epoch(
-    consumer: Consumer, sender: Sender, cancelled: threading.Event, progress: _Progress
+    consumer: Consumer,
+    sender: Sender,
+    cancelled: threading.Event,
+    progress: _Progress,
+    slot: StreamSlot,
 ) -> Generator[bytes, None, bool]:
     """Sends the consumer's entries in order, counting them in `progress`: True when its
-    epoch ended, False when the client went away mid-batch."""
+    epoch ended, False when the client went away mid-batch. `slot` is told when the stream
+    waits on its client (NOTE [ Idle streams ])."""
 
     def stopped() -> bool:
         return cancelled.is_set() or consumer.detached is not None
 
     while (entry := consumer.next(cancelled)) is not None:
+        slot.handing()
         try:
             if entry.error is not None:
-                yield error_frame(progress.batches, entry)
+                yield error_frame(progress.batches, entry.error)
             else:
-                yield from sender.send(progress.batches, entry, stopped)
+                # gRPC resumes this generator once it has written the Frame: the client took
+                # it, and the wait for it to take the next one starts.
+                for frame in sender.send(progress.batches, entry.outgoing, stopped):
+                    yield frame
+                    slot.handing()
                 progress.nbytes += entry.nbytes
         except StreamStopped:
             if cancelled.is_set():
                 return False
             continue  # detached: next() says why
         finally:
+            slot.between()
             consumer.done(entry)
         consumer.sent(entry)  # metrics: batches, bytes or errors served
         progress.batches += 1
@@ -387,56 +389,6 @@ def _compression(request: pb.StreamRequest) -> str:
         )
         return ""
     return name
-
-
-# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; an epoch's generator is seeded
-# seed + epoch (server/sampling.py), and a DistributedSampler-style sampler seeds its own
-# generator with its seed + epoch. Seeds are int64 (request and spec), so an epoch of at most
-# 2**63 - 1 keeps every such sum in range whatever the seed.
-MAX_EPOCH = 2**63 - 1
-# A stream's positions travel as uint64 (Frame.batch, StreamEnd.batches) and are counted on from
-# `start`: a start past this could not be numbered to the end of any epoch.
-MAX_START = 2**63 - 1
-
-
-def check_positions(
-    host: LoaderHost,
-    membership: Membership,
-    epoch: int,
-    start: int,
-    seed: int = 0,
-    reshard: Reshard | None = None,
-) -> str | None:
-    """What is wrong with a stream's epoch and start, or None: checked before any read.
-    Raises ReshardError for an elastic resume that cannot be honoured."""
-    if epoch > MAX_EPOCH:
-        return (
-            f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
-            f"seed + epoch, as DistributedSampler does), got {epoch}"
-        )
-    try:
-        length = host.length(membership, reshard, seed, epoch)
-    except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
-        if start > MAX_START:
-            return f"start must be between 0 and {MAX_START}, got {start}"
-        return None
-    if start > length:
-        return (
-            f"start must be between 0 and {length} (this consumer's batches in an epoch of "
-            f"loader {host.spec.name!r}), got {start}"
-        )
-    return None
-
-
-def logfmt(**fields: object) -> str:
-    """`key=value` pairs for a log line; values with spaces, quotes or `=` are quoted (JSON)."""
-    parts = []
-    for key, value in fields.items():
-        text = str(value)
-        if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-            text = json.dumps(text)
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
 
 
 def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) -> dict[str, str]:

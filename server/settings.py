@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from remote_loader.protos import shm, wire
+from remote_loader.server.admission import DEFAULT_IDLE_STREAM_TIMEOUT
 from remote_loader.server.auth import ServerTLS, check_token, load_tls, token_from_file
+from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS
 from remote_loader.server.spec import ConfigError
 from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES
 
@@ -33,15 +35,24 @@ class ServerSettings:
 
     # HOST:PORT to listen on; port 0 picks a free one.
     address: str = "0.0.0.0:50051"
-    # Streams served at once; one more is refused with RESOURCE_EXHAUSTED.
+    # Streams served at once; one more is refused with RESOURCE_EXHAUSTED, unless a stream
+    # whose client has taken nothing for idle_stream_timeout seconds gives it its place.
     max_streams: int = 32
     # Largest frame payload in bytes (see protos/wire.py for why 4 MiB).
     chunk_size: int = wire.DEFAULT_CHUNK_SIZE
     # On SIGTERM, seconds running streams get to finish.
     grace: float = 5.0
+    # Seconds a stream's client may leave its batches untaken before the stream gives its
+    # place to one arriving at a full server (it ends with ABORTED, and a RemoteLoader resumes;
+    # NOTE [ Idle streams ] in server/admission.py). 0: no stream gives way.
+    idle_stream_timeout: float = DEFAULT_IDLE_STREAM_TIMEOUT
     log_level: str = "INFO"
     # HOST:PORT of the Prometheus metrics endpoint (server/metrics.py); empty: no endpoint.
     metrics_address: str = ""
+    # Consumer label sets (job, sharing, rank) each loader gives metric series of their own;
+    # consumers past them are counted under job="other", rank="other" (server/metrics.py), so
+    # client-chosen job names cannot grow the metrics without bound.
+    metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS
     # Largest encoded batch in bytes; a bigger one is an error at its position (why 2 GiB:
     # DEFAULT_MAX_BATCH_BYTES).
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
@@ -53,8 +64,9 @@ class ServerSettings:
     # false: every same-host batch is copied into the stream's ring.
     zero_copy: bool = True
     # Where clients on other hosts open their data connections (NOTE [ TCP data connection ] in
-    # protos/tcp.py): "auto", the address's host on a free port (no data connections with TLS);
-    # HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside gRPC.
+    # protos/tcp.py; over TLS when the server serves TLS): "auto", the address's host on a free
+    # port; HOST:PORT, a fixed port (to publish from a container); "off", batches stay inside
+    # gRPC.
     data_address: str = "auto"
     # Largest request message in bytes (grpc.max_receive_message_length).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -89,6 +101,11 @@ class ServerSettings:
             )
         if self.max_streams < 1:
             raise ConfigError(f"server max_streams must be at least 1, got {self.max_streams}")
+        if not self.idle_stream_timeout >= 0:
+            raise ConfigError(
+                "server idle_stream_timeout must be >= 0 seconds (0: a stream whose client "
+                f"reads nothing keeps its place), got {self.idle_stream_timeout}"
+            )
         if not 0 < self.chunk_size <= wire.MAX_CHUNK_SIZE:
             raise ConfigError(
                 f"server chunk_size must be between 1 and {wire.MAX_CHUNK_SIZE} bytes, "
@@ -127,6 +144,11 @@ class ServerSettings:
                     f"server data_address {self.data_address} is taken by the gRPC or metrics "
                     "address: give data connections a port of their own"
                 )
+        if self.metrics_max_consumers < 0:
+            raise ConfigError(
+                "server metrics_max_consumers must be >= 0 (0: every consumer is counted under "
+                f'job="other"), got {self.metrics_max_consumers}'
+            )
         if self.max_batch_bytes < 1:
             raise ConfigError(
                 f"server max_batch_bytes must be at least 1 byte, got {self.max_batch_bytes}"
@@ -165,12 +187,6 @@ class ServerSettings:
             )
         if self.token is not None:
             check_token(self.token, f"environment variable {ENV_PREFIX}TOKEN")
-        if self.data_address not in ("auto", "off") and self.tls_cert is not None:
-            raise ConfigError(
-                f"server data_address {self.data_address} would carry batches in plaintext "
-                'beside a TLS server: leave data_address "auto" (no data connections with '
-                'TLS) or set it "off"'
-            )
         self.auth_token()
         self.server_tls()
 
@@ -201,10 +217,12 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerSettings)}
 _TYPES: dict[str, type] = {
     "address": str,
     "max_streams": int,
+    "idle_stream_timeout": float,
     "chunk_size": int,
     "grace": float,
     "log_level": str,
     "metrics_address": str,
+    "metrics_max_consumers": int,
     "max_batch_bytes": int,
     "max_ring_bytes": int,
     "zero_copy": bool,

@@ -41,7 +41,9 @@ RUN_JOIN_TIMEOUT = 60.0
 # Locks: `Runs._lock` (the registry) is taken before any `Run.cond`, never after. Everything
 # about one Run (its lanes, entries and consumers) is guarded by its `cond`; the Run's thread
 # is the only one that talks to the engine (worker pool or in-process loader), and it calls
-# `engine.poll` without holding `cond`.
+# `engine.poll` without holding `cond`. A new Run's plan is made before `_lock` is taken (an
+# elastic resume's can take a while, NOTE [ Resharding cost ]); a consumer that finds a Run
+# of its key started meanwhile joins that one, and the plan made for nothing is dropped.
 #
 # Lifetime: a Run is created by the first consumer that finds no Run to join and ends when its
 # last consumer detaches (end of its stream, a client that went away, or a stalled broadcast
@@ -114,26 +116,38 @@ class Runs:
             compression,
         )
         with self._lock:
-            for run in reversed(self._runs.get(key, [])):
-                consumer = run.try_attach(membership, start)
-                if consumer is not None:
-                    break
-            else:
-                run = Run(
-                    key,
-                    self.spec,
-                    self._plan(seed, epoch, policy.plan_world_size(membership), reshard),
-                    lambda give_up: self._lease(membership.job, give_up),
-                    iterable=self._iterable,
-                    start=start,
-                    metrics=self.metrics,
-                )
-                consumer = run.try_attach(membership, start)
-                assert consumer is not None
-                self._runs.setdefault(key, []).append(run)
-                run.start()
-            consumer._on_close = self._detach
+            consumer = self._join(key, membership, start)
+        if consumer is None:
+            # Planned outside the lock: an elastic resume's plan grows with its ranks (NOTE
+            # [ Resharding cost ]) and must not hold up other streams' attaching meanwhile.
+            plan = self._plan(seed, epoch, policy.plan_world_size(membership), reshard)
+            with self._lock:
+                # Another consumer of the key may have started a Run meanwhile: join it.
+                consumer = self._join(key, membership, start)
+                if consumer is None:
+                    run = Run(
+                        key,
+                        self.spec,
+                        plan,
+                        lambda give_up: self._lease(membership.job, give_up),
+                        iterable=self._iterable,
+                        on_close=self._detach,
+                        start=start,
+                        metrics=self.metrics,
+                    )
+                    consumer = run.try_attach(membership, start)
+                    assert consumer is not None
+                    self._runs.setdefault(key, []).append(run)
+                    run.start()
         return consumer
+
+    def _join(self, key: RunKey, membership: Membership, start: int) -> Consumer | None:
+        """A consumer of the newest Run of `key` that takes it (NOTE [ Sharing ]); under _lock."""
+        for run in reversed(self._runs.get(key, [])):
+            consumer = run.try_attach(membership, start)
+            if consumer is not None:
+                return consumer
+        return None
 
     def _detach(self, consumer: Consumer, join: bool) -> None:
         if not join:  # gRPC's cancellation callback: it must not wait for any lock
@@ -174,13 +188,7 @@ class Runs:
         """Each attached consumer and how many batches it is behind (for metrics): broadcast,
         behind the job's fastest consumer; partition and dynamic, its lane's batches made and
         not yet sent (a dynamic job's consumers share one lane)."""
-        rows: list[ConsumerRow] = []
-        for run in self.active():
-            with run.cond:
-                for c in run.consumers:
-                    m = c.membership
-                    rows.append((m.job, m.sharing, m.rank, run.policy.lag(c, run.consumers)))
-        return rows
+        return [row for run in self.active() for row in run.lags()]
 
     def close(self) -> None:
         """Ends every Run (server shutdown): consumers see the end of their stream."""
@@ -188,14 +196,7 @@ class Runs:
             runs = [run for runs in self._runs.values() for run in runs]
             self._runs.clear()
         for run in runs:
-            with run.cond:
-                run.closing = run.closed_by_server = True
-                for consumer in run.consumers:
-                    consumer.detached = f"loader {self.spec.name!r} is shutting down mid-epoch"
-                consumers = list(run.consumers)
-                run.cond.notify_all()
-            for consumer in consumers:
-                run.detach(consumer)
+            run.close(f"loader {self.spec.name!r} is shutting down mid-epoch")
         for run in runs:
             run.wait_closed(timeout=10.0)
         self._let_go.put(None)

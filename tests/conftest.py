@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from remote_loader.server.host import LoaderHost
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
+from tests.unit_guard import pytest_runtest_protocol  # noqa: F401  (the `unit` mark's guard)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,8 +163,75 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Where Ray would leave its files without the redirection below, for the check at the end.
+RAY_DEFAULT_TEMP = Path("/tmp/ray")
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+@dataclasses.dataclass
+class RayFiles:
+    """This session's Ray temp dir (None: the user chose one), and what was there before."""
+
+    temp_dir: Path | None
+    default_temp_before: set[str]
+    token_existed: bool
+
+
+RAY_FILES = pytest.StashKey[RayFiles]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     examples = config.getoption("--conformance-examples")
     if examples is not None:
         # Read when tests/test_conformance.py is imported, which is after this.
         os.environ["REMOTE_LOADER_CONFORMANCE_EXAMPLES"] = str(examples)
+    config.stash[RAY_FILES] = redirect_ray_files()
+
+
+def redirect_ray_files() -> RayFiles:
+    """Keeps the Ray instances the tests start (tests/test_ray.py's cluster, a server's local
+    instance, in this process or in `remote-loader serve` children: all inherit os.environ)
+    from leaving files behind.
+
+    - Session folders (logs, sockets, spilled objects): Ray puts them under $RAY_TMPDIR/ray
+      (else $TMPDIR, else /tmp: /tmp/ray/session_*, never removed). Here a fresh folder of
+      this session's, removed at its end. Short, under /tmp: Ray's Unix sockets live in it, and
+      a socket path may have at most 107 characters.
+    - ~/.ray/auth_token: Ray (2.60 here) turns token authentication on for a new local cluster when
+      RAY_AUTH_MODE is unset, and writes a new token to that file when it finds none (ray
+      _private/authentication/authentication_token_setup.py). A token in RAY_AUTH_TOKEN is
+      found first, so none is written, and the tests still run the way a default cluster does:
+      with token authentication.
+    A RAY_TMPDIR / RAY_AUTH_* the user set is left alone."""
+    before = set(os.listdir(RAY_DEFAULT_TEMP)) if RAY_DEFAULT_TEMP.is_dir() else set()
+    temp_dir = None
+    if "RAY_TMPDIR" not in os.environ:
+        temp_dir = Path(tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp"))
+        os.environ["RAY_TMPDIR"] = str(temp_dir)
+    if not any(f"RAY_AUTH_{name}" in os.environ for name in ("MODE", "TOKEN", "TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    return RayFiles(temp_dir, before, RAY_TOKEN_FILE.exists())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Removes this session's Ray folder; fails the run if Ray wrote where it should not have."""
+    files = session.config.stash.get(RAY_FILES, None)
+    if files is None or files.temp_dir is None:
+        return
+    used = any(files.temp_dir.iterdir())
+    shutil.rmtree(files.temp_dir, ignore_errors=True)
+    if not used:
+        return  # no Ray ran here: anything new in /tmp/ray is another run's on this machine
+    now = set(os.listdir(RAY_DEFAULT_TEMP)) if RAY_DEFAULT_TEMP.is_dir() else set()
+    strays = [str(RAY_DEFAULT_TEMP / name) for name in sorted(now - files.default_temp_before)]
+    if RAY_TOKEN_FILE.exists() and not files.token_existed:
+        strays.append(str(RAY_TOKEN_FILE))
+    if files.temp_dir.exists():
+        strays.append(f"{files.temp_dir} (could not be removed: a Ray process still running?)")
+    if strays:
+        session.config.get_terminal_writer().line(
+            "Ray left files outside this session's RAY_TMPDIR (or another Ray run on this "
+            "machine made them meanwhile): " + ", ".join(strays),
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

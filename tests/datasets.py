@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -349,3 +350,45 @@ def keeping_collate(samples: list[Any]) -> dict[str, Any]:
     batch = torch.utils.data.default_collate(samples)
     _KEPT.append(batch)
     return {"batch": batch, "kept": torch.stack([kept["data"][:, 0] for kept in _KEPT])}
+
+
+# Gated's planning of GATED_EPOCH waits for PLAN_GATE (set by the test) and says it has begun
+# by setting PLAN_ENTERED: a server in the test's process plans that epoch as slowly as the test
+# likes, with no timing. Other epochs pass at once.
+GATED_EPOCH = 5
+PLAN_GATE = threading.Event()
+PLAN_ENTERED = threading.Event()
+
+
+class Gated(Sampler[int]):
+    """The dataset in order; iterating it for GATED_EPOCH (set_epoch) waits for PLAN_GATE."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.n = len(dataset)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.epoch == GATED_EPOCH:
+            PLAN_ENTERED.set()
+            if not PLAN_GATE.wait(timeout=120):
+                raise RuntimeError("PLAN_GATE was never opened")
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Threads(Dataset[torch.Tensor]):
+    """Each sample is [torch's intra-op thread count, pid] of the process that made it."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([torch.get_num_threads(), os.getpid()])

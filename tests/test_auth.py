@@ -333,6 +333,7 @@ def test_mutual_tls_needs_a_client_certificate(
     assert _cli(*args, *client).returncode == 0
 
 
+@pytest.mark.unit
 def test_tls_options_are_checked_on_the_client(pki: PKI, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="TLS cert and key go together"):
         TLS(cert=pki.client_cert)
@@ -344,6 +345,7 @@ def test_tls_options_are_checked_on_the_client(pki: PKI, tmp_path: Path) -> None
         RemoteLoader("127.0.0.1:1", token="two words")
 
 
+@pytest.mark.unit
 def test_tls_settings_read_and_check_the_files(pki: PKI) -> None:
     table = {
         "tls_cert": str(pki.server_cert),

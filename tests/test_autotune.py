@@ -43,6 +43,7 @@ def interval(t: WorkerTuner, host: Host, workers: int, busy: float) -> Decision 
     return t.decide(workers)
 
 
+@pytest.mark.unit
 def test_busy_workers_on_a_host_with_idle_cpu_get_one_more_then_a_pause() -> None:
     t, host = tuner()
     assert t.decide(1) is None  # not an interval yet
@@ -54,6 +55,7 @@ def test_busy_workers_on_a_host_with_idle_cpu_get_one_more_then_a_pause() -> Non
     )
 
 
+@pytest.mark.unit
 def test_no_worker_is_added_on_a_saturated_host_or_past_max_workers() -> None:
     t, host = tuner(max_workers=2)
     host.idle = 0.2
@@ -62,6 +64,7 @@ def test_no_worker_is_added_on_a_saturated_host_or_past_max_workers() -> None:
     assert interval(t, host, 2, 1.0) is None  # at max_workers
 
 
+@pytest.mark.unit
 def test_no_worker_is_added_past_max_pool_bytes() -> None:
     host = Host()
     t = WorkerTuner(
@@ -79,6 +82,7 @@ def polls(t: WorkerTuner, capped: float, n: int = 100) -> None:
         t.polled(k < capped * n)
 
 
+@pytest.mark.unit
 def test_prefetch_deepens_while_workers_idle_at_the_pools_cap_and_shallows_first() -> None:
     host = Host()
     t = WorkerTuner(
@@ -102,6 +106,7 @@ def test_prefetch_deepens_while_workers_idle_at_the_pools_cap_and_shallows_first
     assert decision is not None and (decision.delta, decision.setting) == (-1, "num_workers")
 
 
+@pytest.mark.unit
 def test_idle_workers_lose_one_down_to_one() -> None:
     t, host = tuner()
     decision = interval(t, host, 3, 0.3)
@@ -111,6 +116,7 @@ def test_idle_workers_lose_one_down_to_one() -> None:
     assert interval(t, host, 2, 0.7) is None  # between the thresholds: as it is
 
 
+@pytest.mark.unit
 def test_auto_needs_per_batch_seeding_and_a_local_map_style_pool() -> None:
     base: dict[str, Any] = {"name": "a", "dataset": "tests.datasets:Squares", "num_workers": "auto"}
     with pytest.raises(ConfigError, match='set seeding = "per_batch"'):
@@ -226,6 +232,7 @@ class Resizing(autotune.Tuned):
         self._active = [True] * self.num_workers
 
 
+@pytest.mark.unit
 def test_a_drained_worker_removed_in_the_same_round_as_the_next_decision() -> None:
     t, host = tuner()
     pool = Resizing(3)

@@ -18,6 +18,7 @@ from tests.test_shm import expected, sizes_spec
 SIZE = 2 * MIN_POOLED_BYTES
 
 
+@pytest.mark.unit
 def test_a_buffer_nothing_holds_is_handed_out_again() -> None:
     pool = BufferPool(keep=2)
     first = pool.empty(SIZE)
@@ -40,6 +41,7 @@ def test_a_buffer_nothing_holds_is_handed_out_again() -> None:
     ],
     ids=["tensor", "view", "numpy", "view-of-view", "storage"],
 )
+@pytest.mark.unit
 def test_a_buffer_something_holds_is_never_handed_out(hold: Any) -> None:
     pool = BufferPool(keep=4)
     t = pool.empty(SIZE)
@@ -62,6 +64,7 @@ def _bytes(held: Any) -> torch.Tensor:
     return torch.as_tensor(held).contiguous().view(torch.uint8)
 
 
+@pytest.mark.unit
 def test_the_pool_remembers_at_most_keep_buffers() -> None:
     pool = BufferPool(keep=3)
     held = [pool.empty(SIZE) for _ in range(10)]  # a loop that keeps every batch
@@ -74,6 +77,7 @@ def test_the_pool_remembers_at_most_keep_buffers() -> None:
     assert sorted(b.numel() for b, _ in pool._buffers) == [SIZE, SIZE, 3 * SIZE]
 
 
+@pytest.mark.unit
 def test_small_buffers_are_left_to_the_allocator() -> None:
     pool = BufferPool(keep=2)
     small = pool.empty(MIN_POOLED_BYTES - 1)
@@ -81,6 +85,7 @@ def test_small_buffers_are_left_to_the_allocator() -> None:
     assert pool.empty(MIN_POOLED_BYTES + 1).untyped_storage().nbytes() == 3 * GRANULE
 
 
+@pytest.mark.unit
 def test_empty_as_gives_a_contiguous_tensor_of_the_shape_and_dtype() -> None:
     pool = BufferPool(keep=1)
     out = pool.empty_as((4, 3, 100, 100), torch.float32)

@@ -23,6 +23,7 @@ SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_siz
         ({"device": "meta"}, ValueError, "device must be 'cpu' or a CUDA device"),
     ],
 )
+@pytest.mark.unit
 def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         RemoteLoader("127.0.0.1:1", **kwargs)  # type: ignore[arg-type]

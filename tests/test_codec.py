@@ -17,6 +17,8 @@ from hypothesis.extra import numpy as hnp
 
 from remote_loader.protos import codec, loader_pb2
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 # Quantized tensors carry a scale and zero point the header has no room for: encode refuses them.
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}

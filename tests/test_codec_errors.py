@@ -12,6 +12,8 @@ import torch
 from remote_loader.protos import codec, loader_pb2
 from tests.test_codec import roundtrip
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 # --- errors -----------------------------------------------------------------------------------
 
 

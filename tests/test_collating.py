@@ -20,6 +20,8 @@ from remote_loader.server import collating
 from remote_loader.server.collating import HEADER_ROOM, WorkerSlots
 from tests.conftest import assert_same
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 IMAGE = torch.arange(3 * 64 * 64, dtype=torch.int32).view(3, 64, 64)
 
 

@@ -56,6 +56,7 @@ def leaves(encoded: codec.Encoded) -> dict[str, tuple[str, int]]:
 
 
 @pytest.mark.parametrize("name", compression.CODECS)
+@pytest.mark.unit
 def test_compressed_leaves_decode_to_the_same_batch(name: str) -> None:
     original = batch()
     encoded = codec.encode(original, compression.Compressor(name))
@@ -68,6 +69,7 @@ def test_compressed_leaves_decode_to_the_same_batch(name: str) -> None:
     assert same(codec.decode_blob(encoded.to_bytes(), len(encoded.header)), original)
 
 
+@pytest.mark.unit
 def test_a_leaf_that_does_not_shrink_is_skipped_for_a_while_then_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -88,6 +90,7 @@ def test_a_leaf_that_does_not_shrink_is_skipped_for_a_while_then_tried_again(
     assert len(calls) == 2
 
 
+@pytest.mark.unit
 def test_a_damaged_compressed_leaf_is_a_decode_error() -> None:
     encoded = codec.encode(
         {"mask": torch.zeros(1 << 20, dtype=torch.uint8)}, compression.Compressor("lz4")
@@ -99,6 +102,7 @@ def test_a_damaged_compressed_leaf_is_a_decode_error() -> None:
         codec.decode_blob(blob, len(encoded.header))
 
 
+@pytest.mark.unit
 def test_the_client_refuses_an_unknown_codec_with_the_choices() -> None:
     with pytest.raises(ValueError, match='"none", "lz4" or "zstd"'):
         RemoteLoader("127.0.0.1:1", compression="gzip")
@@ -151,6 +155,7 @@ def test_workers_compress_what_the_stream_asks_for(
     assert len(decompressed) == 4  # and without asking, none
 
 
+@pytest.mark.unit
 def test_a_worker_keeps_what_it_learned_across_epochs_of_the_same_codec() -> None:
     lz4 = compression.Compressor("lz4")
     assert compression.compressor_for("lz4", lz4) is lz4  # skipped leaves stay skipped

@@ -56,6 +56,7 @@ def _write_image(path: Path, width: int, height: int, seed: int = 0) -> np.ndarr
 # -- cache_dir -----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REMOTE_LOADER_CACHE", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -70,6 +71,7 @@ def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 # -- demo_folder ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_demo_folder_layout(demo_root: Path) -> None:
     assert demo_root.name == DEMO_DIRNAME
     class_dirs = sorted(p for p in demo_root.iterdir())
@@ -85,11 +87,13 @@ def test_demo_folder_layout(demo_root: Path) -> None:
     assert [p.name for p in demo_root.parent.iterdir()] == [DEMO_DIRNAME]
 
 
+@pytest.mark.unit
 def test_demo_folder_defaults_to_cache_dir(_cache_in_tmp: Path) -> None:
     assert demo_folder() == _cache_in_tmp / DEMO_DIRNAME
     assert (_cache_in_tmp / DEMO_DIRNAME / "class_07" / "img_063.jpg").is_file()
 
 
+@pytest.mark.unit
 def test_demo_folder_is_deterministic(tmp_path: Path, demo_root: Path) -> None:
     again = demo_folder(tmp_path / "other")
     assert again != demo_root
@@ -100,6 +104,7 @@ def test_demo_folder_is_deterministic(tmp_path: Path, demo_root: Path) -> None:
     assert len(set(first.values())) == len(first)
 
 
+@pytest.mark.unit
 def test_demo_folder_is_reused(
     tmp_path: Path, demo_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,6 +119,7 @@ def test_demo_folder_is_reused(
     assert (demo_root.stat().st_mtime_ns, some_file.stat().st_mtime_ns) == before
 
 
+@pytest.mark.unit
 def test_demo_folder_losing_the_race_uses_the_winner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,6 +140,7 @@ def test_demo_folder_losing_the_race_uses_the_winner(
     assert len(_files(tmp_path / DEMO_DIRNAME)) == DEMO_CLASSES * DEMO_PER_CLASS
 
 
+@pytest.mark.unit
 def test_demo_folder_cleans_up_after_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,6 +194,7 @@ def test_demo_folder_concurrent_generation(tmp_path: Path) -> None:
 # -- ImageFolder ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_image_folder_over_demo(demo_root: Path) -> None:
     dataset = ImageFolder(demo_root)
     assert len(dataset) == DEMO_CLASSES * DEMO_PER_CLASS
@@ -203,6 +211,7 @@ def test_image_folder_over_demo(demo_root: Path) -> None:
         assert label == index // DEMO_PER_CLASS
 
 
+@pytest.mark.unit
 def test_image_folder_defaults_to_demo_folder(_cache_in_tmp: Path) -> None:
     dataset = ImageFolder(crop=32)
     assert dataset.root == _cache_in_tmp / DEMO_DIRNAME
@@ -210,6 +219,7 @@ def test_image_folder_defaults_to_demo_folder(_cache_in_tmp: Path) -> None:
     assert dataset[5][0].shape == (3, 32, 32)
 
 
+@pytest.mark.unit
 def test_image_folder_batches_through_a_data_loader(demo_root: Path) -> None:
     loader = torch.utils.data.DataLoader(ImageFolder(demo_root, crop=48), batch_size=4)
     images, labels = next(iter(loader))
@@ -218,6 +228,7 @@ def test_image_folder_batches_through_a_data_loader(demo_root: Path) -> None:
     assert labels.tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.unit
 def test_image_folder_crops_follow_the_torch_seed(demo_root: Path) -> None:
     dataset = ImageFolder(demo_root)
     indices = [0, 100, 200, 300]
@@ -231,6 +242,7 @@ def test_image_folder_crops_follow_the_torch_seed(demo_root: Path) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(first, other, strict=True))
 
 
+@pytest.mark.unit
 def test_image_folder_full_crop_without_flip_is_the_decoded_image(demo_root: Path) -> None:
     dataset = ImageFolder(demo_root, crop=DEMO_IMAGE_SIZE, flip=False)
     for index in (0, 333):
@@ -240,6 +252,7 @@ def test_image_folder_full_crop_without_flip_is_the_decoded_image(demo_root: Pat
         assert np.array_equal(image.numpy(), expected)
 
 
+@pytest.mark.unit
 def test_image_folder_flip_mirrors_the_crop(tmp_path: Path) -> None:
     pixels = _write_image(tmp_path / "a" / "x.png", 16, 16)
     dataset = ImageFolder(tmp_path, crop=16)
@@ -256,6 +269,7 @@ def test_image_folder_flip_mirrors_the_crop(tmp_path: Path) -> None:
     assert seen == {"as is", "mirrored"}
 
 
+@pytest.mark.unit
 def test_image_folder_return_index(demo_root: Path) -> None:
     dataset = ImageFolder(demo_root, crop=16, return_index=True)
     sample = dataset[70]
@@ -268,6 +282,7 @@ def test_image_folder_return_index(demo_root: Path) -> None:
     ("size", "crop"),
     [((40, 20), 32), ((20, 40), 32), ((10, 10), 24), ((30, 30), 30)],
 )
+@pytest.mark.unit
 def test_image_folder_resizes_small_images_up(
     tmp_path: Path, size: tuple[int, int], crop: int
 ) -> None:
@@ -278,6 +293,7 @@ def test_image_folder_resizes_small_images_up(
     assert label == 0
 
 
+@pytest.mark.unit
 def test_image_folder_scans_extensions_and_skips_hidden_folders(tmp_path: Path) -> None:
     _write_image(tmp_path / "b" / "one.PNG", 8, 8)
     _write_image(tmp_path / "b" / "nested" / "two.png", 8, 8)
@@ -298,30 +314,35 @@ def test_image_folder_scans_extensions_and_skips_hidden_folders(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("index", [-1, -600, 512, 10_000])
+@pytest.mark.unit
 def test_image_folder_index_out_of_range(demo_root: Path, index: int) -> None:
     dataset = ImageFolder(demo_root)
     with pytest.raises(IndexError, match=f"index {index} out of range"):
         dataset[index]
 
 
+@pytest.mark.unit
 def test_image_folder_missing_root(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=r"nowhere.*does not exist"):
         ImageFolder(missing)
 
 
+@pytest.mark.unit
 def test_image_folder_root_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "file.jpg").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"file\.jpg.*is a file"):
         ImageFolder(tmp_path / "file.jpg")
 
 
+@pytest.mark.unit
 def test_image_folder_without_class_folders(tmp_path: Path) -> None:
     _write_image(tmp_path / "loose.png", 8, 8)
     with pytest.raises(ValueError, match="no class sub-folders"):
         ImageFolder(tmp_path)
 
 
+@pytest.mark.unit
 def test_image_folder_without_images(tmp_path: Path) -> None:
     (tmp_path / "cat").mkdir()
     (tmp_path / "dog").mkdir()
@@ -334,6 +355,7 @@ def test_image_folder_without_images(tmp_path: Path) -> None:
     ("crop", "error"),
     [(0, ValueError), (-3, ValueError), (1.5, TypeError), ("64", TypeError), (True, TypeError)],
 )
+@pytest.mark.unit
 def test_image_folder_bad_crop(demo_root: Path, crop: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match="crop"):
         ImageFolder(demo_root, crop=crop)

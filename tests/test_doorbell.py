@@ -72,6 +72,7 @@ def wait_for_a_late_release(
     return calls[0], waited
 
 
+@pytest.mark.unit
 def test_a_waiting_server_sleeps_until_the_client_releases(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -88,11 +89,12 @@ def test_a_waiting_server_sleeps_until_the_client_releases(
         writer.close()
 
 
+@pytest.mark.unit
 def test_without_a_bell_the_server_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that cannot ring (an older one, or a socket it cannot reach) is still waited
     for: by polling."""
 
-    def unreachable(self: doorbell.Ringer, path: str, *, listen: bool = False) -> None:
+    def unreachable(self: doorbell.Ringer, path: str) -> None:
         raise OSError("cannot connect")
 
     monkeypatch.setattr(doorbell, "BELL_TICK", LONG_TICK)
@@ -107,6 +109,7 @@ def test_without_a_bell_the_server_polls(monkeypatch: pytest.MonkeyPatch) -> Non
         writer.close()
 
 
+@pytest.mark.unit
 def test_a_client_gone_ends_the_wait_at_a_tick_without_spinning() -> None:
     """Nothing rings once the client is gone; `stopped()` still ends the wait, looked at once
     a tick (20 ms), not every 2 ms as polling would."""
@@ -121,6 +124,7 @@ def test_a_client_gone_ends_the_wait_at_a_tick_without_spinning() -> None:
         writer.close()
 
 
+@pytest.mark.unit
 def test_ringing_a_full_or_closed_bell_never_blocks_or_raises() -> None:
     writer = shm.RingWriter(shm.ALIGN)
     reader = shm.RingReader(writer.name, writer.capacity)
@@ -158,6 +162,7 @@ def test_a_trainer_with_the_default_sigpipe_survives_the_server_closing_the_bell
     assert done.returncode == 0 and done.stdout.strip() == "alive", (done.returncode, done.stderr)
 
 
+@pytest.mark.unit
 def test_the_bell_is_unlinked_when_the_client_opens_it() -> None:
     writer = shm.RingWriter(shm.ALIGN)
     bell = doorbell.BELL_PREFIX + writer.name[len(shm.RING_PREFIX) :]
@@ -172,6 +177,7 @@ def test_the_bell_is_unlinked_when_the_client_opens_it() -> None:
         writer.close()
 
 
+@pytest.mark.unit
 def test_a_ring_nobody_opened_takes_its_bell_along() -> None:
     # The autouse fixture (_no_ring_left_behind) checks that neither name is left.
     writer = shm.RingWriter(shm.ALIGN)

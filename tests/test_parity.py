@@ -188,6 +188,7 @@ def test_workers_collate_into_process_memory(serve_loaders: ServeLoaders) -> Non
     assert_same(torch.cat([b["batch"] for b in batches]), expected)
 
 
+@pytest.mark.unit
 def test_collate_tensors_keeps_torchs_errors() -> None:
     sparse = torch.eye(2).to_sparse()
     with pytest.raises(RuntimeError, match="sparse tensors are not currently supported"):

@@ -16,10 +16,21 @@ from remote_loader.server.engine import Delivery, Engine
 from remote_loader.server.errors import SharingError
 from remote_loader.server.lanes import BroadcastLane, Lane, QueueLane
 from remote_loader.server.membership import Membership
-from remote_loader.server.policies import POLICIES, Broadcast, Dynamic, Partition, policy_for
+from remote_loader.server.policies import (
+    POLICIES,
+    Broadcast,
+    Dynamic,
+    Holder,
+    Partition,
+    Reader,
+    admit,
+    policy_for,
+)
 from remote_loader.server.run import Consumer, Run, RunKey
 from remote_loader.server.sampling import EpochPlan, share
 from remote_loader.server.spec import SHARING_MODES, LoaderSpec
+
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 
 EPOCH = [[i] for i in range(8)]
 
@@ -29,11 +40,15 @@ def make_run(sharing: str, world_size: int = 1, start: int = 0, **options: Any) 
     shares = policy_for(sharing).plan_world_size(Membership(sharing, "job", 0, world_size))
     plan = EpochPlan(0, 0, 0, shares, lambda r: iter(share(EPOCH, r, shares, drop_last=False)))
     key = RunKey(sharing, "job", 0, 0, world_size)
-    return Run(key, spec, plan, _never_leased, iterable=False, start=start)
+    return Run(key, spec, plan, _never_leased, iterable=False, on_close=_detach, start=start)
 
 
 def _never_leased(give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
     raise AssertionError("these Runs are never started")
+
+
+def _detach(consumer: Consumer, join: bool) -> None:
+    consumer.run.detach(consumer)  # no registry: a consumer that closes leaves its Run
 
 
 class Slots:
@@ -66,8 +81,20 @@ def join(run: Run, rank: int = 0, start: int = 0) -> Consumer:
 
 def take(consumer: Consumer) -> int | None:
     with consumer.run.cond:
-        entry = consumer.run.policy.take(consumer)
+        entry = consumer.run.policy.take(consumer.seat)
     return None if entry is None else entry.position
+
+
+def holder(consumer: Consumer) -> Holder:
+    """A partition or dynamic consumer's state, which its policy keeps."""
+    assert isinstance(consumer.seat, Holder)
+    return consumer.seat
+
+
+def reader(consumer: Consumer) -> Reader:
+    """A broadcast consumer's state, which its policy keeps."""
+    assert isinstance(consumer.seat, Reader)
+    return consumer.seat
 
 
 def test_every_sharing_mode_has_a_policy() -> None:
@@ -122,15 +149,15 @@ def test_a_partition_rank_that_leaves_mid_share_abandons_it_and_every_slot_goes_
     assert lane0.abandoned and not lane0.wants_task()
     assert sorted(slots.released) == [0, 2, 4]  # the held one and the two pending
     assert lane0.taken == 0
-    assert rank1.lane is not lane0
+    assert rank1.seat.lane is not lane0
 
 
 def test_partition_refuses_to_split_an_iterable_dataset_between_ranks() -> None:
     spec = LoaderSpec(name="it", dataset="tests.datasets:Squares")
     with pytest.raises(SharingError, match="cannot split"):
-        Membership("partition", "job", 0, 2).check(spec, is_iterable=True)
-    Membership("partition", "job", 0, 1).check(spec, is_iterable=True)
-    Membership("dynamic", "job", 0, 2).check(spec, is_iterable=True)
+        admit(Membership("partition", "job", 0, 2), spec, iterable=True)
+    admit(Membership("partition", "job", 0, 1), spec, iterable=True)
+    admit(Membership("dynamic", "job", 0, 2), spec, iterable=True)
 
 
 # --- dynamic ----------------------------------------------------------------------------------
@@ -140,7 +167,7 @@ def test_dynamic_hands_what_a_leaving_consumer_held_to_the_next_one_first() -> N
     run = make_run("dynamic")
     slots = Slots()
     a, b = join(run), join(run, rank=1)
-    assert a.lane is b.lane
+    assert a.seat.lane is b.seat.lane
     slots.make(run.policy.lanes[0], 4)
     assert [take(a), take(a), take(b)] == [0, 1, 2]
     run.detach(a)
@@ -151,21 +178,25 @@ def test_dynamic_hands_what_a_leaving_consumer_held_to_the_next_one_first() -> N
 def test_dynamic_waits_for_a_peer_s_held_batches_at_most_handback_timeout() -> None:
     run = make_run("dynamic", handback_timeout=0.2)
     slots = Slots()
-    holder, waiter = join(run), join(run, rank=1)
+    held, waiter = join(run), join(run, rank=1)
     slots.finish(run.policy.lanes[0])
-    positions = [take(holder) for _ in EPOCH]
+    positions = [take(held) for _ in EPOCH]
     assert positions == list(range(len(EPOCH)))
     policy = run.policy
     with run.cond:
-        assert not policy.finished(waiter)  # the holder may still hand them back
-    time.sleep(0.25)
+        policy.asking(waiter.seat)
+        assert not policy.finished(waiter.seat)  # the holder may still hand them back
+        waiting_since = holder(waiter).waiting_since
+        assert waiting_since is not None
+        holder(waiter).waiting_since = waiting_since - 0.25  # as if 0.25 s had passed
+        assert policy.finished(waiter.seat)  # held longer than handback_timeout: not waited for
+        policy.asking(waiter.seat)  # a next() begins: its wait starts afresh
+        assert not policy.finished(waiter.seat)
+    for entry in list(holder(held).holding):
+        held.done(entry)
     with run.cond:
-        assert policy.finished(waiter)  # held longer than handback_timeout: not waited for
-    for entry in list(holder.holding):
-        holder.done(entry)
-    waiter.waiting_since = None
-    with run.cond:
-        assert policy.finished(waiter)  # nothing held, nothing pending: at once
+        policy.asking(waiter.seat)
+        assert policy.finished(waiter.seat)  # nothing held, nothing pending: at once
 
 
 def test_dynamic_refuses_a_consumer_once_its_lane_is_drained() -> None:
@@ -173,7 +204,7 @@ def test_dynamic_refuses_a_consumer_once_its_lane_is_drained() -> None:
     slots = Slots()
     a = join(run)
     slots.finish(run.policy.lanes[0])
-    while (entry := run.policy.take(a)) is not None:
+    while (entry := run.policy.take(a.seat)) is not None:
         a.done(entry)
     assert run.try_attach(Membership("dynamic", "job", 1, 1)) is None
     assert len(slots.released) == len(EPOCH)
@@ -191,15 +222,15 @@ def test_broadcast_refuses_a_consumer_whose_next_batch_is_retired_and_a_rank_twi
     slots.make(lane, 2)
     for consumer in (a, b):
         for _ in range(2):
-            entry = run.policy.take(consumer)
+            entry = run.policy.take(consumer.seat)
             assert entry is not None
             consumer.done(entry)
     with run.cond:
-        run.policy.make_room(lane, run.consumers)
+        run.policy.make_room(lane)
     assert slots.released == [0, 1]  # both sent both: retired
     run.detach(a)
     assert run.try_attach(Membership("broadcast", "job", 0, 2), start=1) is None  # 1 is gone
-    assert join(run, rank=0, start=2).cursor == 2
+    assert reader(join(run, rank=0, start=2)).cursor == 2
     fresh = make_run("broadcast", world_size=1)
     join(fresh), join(fresh)  # world_size 1: any number of consumers, ranks not counted
 
@@ -210,19 +241,19 @@ def test_broadcast_retires_nothing_until_its_group_has_joined() -> None:
     a = join(run, rank=0)
     lane = run.policy.lanes[0]
     slots.make(lane, 1)
-    entry = run.policy.take(a)
+    entry = run.policy.take(a.seat)
     assert entry is not None
     a.done(entry)
     with run.cond:
-        run.policy.make_room(lane, run.consumers)
+        run.policy.make_room(lane)
     assert slots.released == []  # rank 1 has not come: batch 0 waits for it
     b = join(run, rank=1)
     assert take(b) == 0
-    entry = run.policy.take(b)
+    entry = run.policy.take(b.seat)
     assert entry is not None
     b.done(entry)
     with run.cond:
-        run.policy.make_room(lane, run.consumers)
+        run.policy.make_room(lane)
     assert slots.released == [0]
 
 
@@ -234,22 +265,34 @@ def test_broadcast_detaches_the_consumer_holding_the_others_for_detach_timeout()
     assert isinstance(lane, BroadcastLane)
     slots.make(lane, 2)
     for _ in range(2):
-        entry = run.policy.take(fast)
+        entry = run.policy.take(fast.seat)
         assert entry is not None
         fast.done(entry)
     with run.cond:
-        run.policy.make_room(lane, run.consumers)
+        run.policy.make_room(lane)
         assert slow.detached is None  # not held for detach_timeout yet
-        assert run.policy.lag(slow, run.consumers) == 2
+        assert run.policy.lag(slow.seat) == 2
     # A second later, with batch 0 there to send all along:
-    slow.moved_at = fast.moved_at = time.monotonic() - 1.0
+    reader(slow).moved_at = reader(fast).moved_at = time.monotonic() - 1.0
     for entry in lane.entries:
         entry.made_at -= 1.0
     with run.cond:
-        run.policy.make_room(lane, run.consumers)
+        run.policy.make_room(lane)
     assert slow.detached is not None and "detach_timeout" in slow.detached
     assert run.consumers == [fast]
     assert slots.released == [0, 1]  # the window is free again
+
+
+def test_a_broadcast_lane_never_holds_more_than_its_window() -> None:
+    # A batch back before the one due first waits in the reorder buffer, and counts: else the
+    # lane would take a task more than its window allows.
+    lane = BroadcastLane(in_order=True, window=2)
+    lane.begin(iter([[0], [1], [2]]), 0, iterable=False)
+    lane.issued, lane.outstanding = 2, 2  # two tasks submitted
+    lane.outstanding -= 1
+    lane.reorder.put(1, Delivery(blob=memoryview(b"x")))  # task 1 is back before task 0
+    assert list(lane.reorder.ready()) == []
+    assert not lane.wants_task()
 
 
 def test_only_broadcast_shares_entries_and_only_dynamic_has_no_fixed_length() -> None:

@@ -10,6 +10,8 @@ import pytest
 from remote_loader.protos import generate, loader_pb2, wire
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 
 def test_committed_stubs_are_fresh() -> None:
     stale = generate.stale_outputs(ROOT / "protos")

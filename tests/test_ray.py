@@ -303,6 +303,7 @@ def test_an_unreachable_ray_address_fails_streams_with_a_clear_error() -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.unit
 def test_pool_ray_is_checked_in_the_spec() -> None:
     with pytest.raises(ConfigError, match="pool must be one of local, ray"):
         LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="slurm")
@@ -342,6 +343,7 @@ def test_losing_the_ray_cluster_mid_epoch_fails_the_stream_not_the_server() -> N
             grpc.channel_ready_future(channel).result(timeout=10)
 
 
+@pytest.mark.unit
 def test_the_compose_ray_config_serves_a_ray_pool() -> None:
     specs, table = read_config("docker/loaders-ray.toml")
     assert {spec.pool for spec in specs.values()} == {"ray"}

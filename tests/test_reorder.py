@@ -4,6 +4,8 @@ import pytest
 
 from remote_loader.server.reorder import Reorderer
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 
 def test_releases_in_order() -> None:
     r: Reorderer[str] = Reorderer()

@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 from remote_loader.server.engine import Delivery, Engine, Outcome
-from remote_loader.server.errors import DetachedError
+from remote_loader.server.errors import ClosingError, DetachedError
 from remote_loader.server.lanes import MIN_LANE_WINDOW
 from remote_loader.server.membership import Membership
 from remote_loader.server.run import Consumer
 from remote_loader.server.sampling import EpochPlan, share
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import LoaderSpec
+
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 
 NEVER = threading.Event()  # a stream that is never cancelled
 CEILING = 30.0  # a bound for waits that take milliseconds (a busy machine takes longer)
@@ -202,17 +204,42 @@ def test_a_broadcast_consumer_that_reads_nothing_is_detached_after_detach_timeou
 
 def test_the_broadcast_window_bounds_how_far_production_runs_ahead() -> None:
     engine = FakeEngine(max_outstanding=1)
-    runs = registry(engine, tasks(30), broadcast_window=3, detach_timeout=CEILING)
+    window = 3
+    runs = registry(engine, tasks(30), broadcast_window=window, detach_timeout=CEILING)
     fast, slow = (runs.attach(Membership("broadcast", "job", r, 2), 0, 0) for r in (0, 1))
+    # Whenever a task is submitted or the fast consumer gets a batch, neither is more than the
+    # window ahead of what the slow one has sent (tasks in flight count in the window). +1: the
+    # slow reader counts a batch just after the Run sees it done.
+    sent_by_slow = 0
+    ahead: list[int] = []
+    engine.on_submit = lambda indices: ahead.append(len(engine.submitted) - sent_by_slow)
+    progress = threading.Condition()
     consumed: list[Any] = []
-    reading = threading.Thread(target=lambda: consumed.extend(read(fast)))
+
+    def read_fast() -> None:
+        while (entry := fast.next(NEVER)) is not None:
+            assert entry.delivery.blob is not None
+            with progress:
+                consumed.append(json.loads(bytes(entry.delivery.blob)))
+                ahead.append(len(consumed) - sent_by_slow)
+                progress.notify_all()
+            fast.done(entry)
+        fast.close()
+
+    reading = threading.Thread(target=read_fast)
     reading.start()
-    time.sleep(0.5)  # the fast consumer has read what the window lets it
-    # Nothing sent by the slow one: at most the window, plus the task in flight, was made.
-    assert len(engine.submitted) <= 3 + 1 and len(consumed) <= 3
-    assert read(slow) == tasks(30)
+    with progress:  # the fast consumer reads what the window lets it, while the slow one waits
+        assert progress.wait_for(lambda: len(consumed) >= window, CEILING)
+    got = []
+    while (entry := slow.next(NEVER)) is not None:
+        assert entry.delivery.blob is not None
+        got.append(json.loads(bytes(entry.delivery.blob)))
+        slow.done(entry)
+        sent_by_slow += 1
+    slow.close()
     reading.join(CEILING)
-    assert consumed == tasks(30)
+    assert got == consumed == tasks(30)
+    assert max(ahead) <= window + 1, ahead
 
 
 def test_dynamic_consumers_share_the_batches_exactly_once() -> None:
@@ -264,6 +291,23 @@ def test_a_cancelled_consumer_is_let_go_without_waiting() -> None:
         time.sleep(0.01)
     assert not runs.active()  # the reaper detached it; the Run ended with its last consumer
     runs.close()
+
+
+def test_closing_a_run_fails_each_stream_with_the_reason_and_gives_the_engine_back() -> None:
+    engine = FakeEngine()
+    runs = registry(engine, tasks(1000))
+    ranks = [runs.attach(Membership("partition", "job", r, 2), 0, 0) for r in (0, 1)]
+    run = ranks[0].run
+    held = ranks[0].next(NEVER)  # taken, not sent: the Run settles it
+    assert held is not None
+    run.close("the server is going away")
+    assert run.wait_closed(CEILING)  # its thread gave the engine back
+    for consumer in ranks:
+        with pytest.raises(ClosingError, match="the server is going away"):
+            consumer.next(NEVER)
+        consumer.close()
+    assert run.try_attach(Membership("partition", "job", 0, 2)) is None  # closed for good
+    assert sorted(map(str, engine.released)) == sorted(map(str, engine.submitted))
 
 
 def test_resumed_consumers_start_at_their_position() -> None:

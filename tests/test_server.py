@@ -68,6 +68,21 @@ def test_the_package_loads_grpc_only_when_the_server_is_asked_for() -> None:
     assert result.stdout.split() == ["False", "True"], result.stderr
 
 
+def test_the_send_stage_imports_nothing_of_the_sharing_stage() -> None:
+    # Issue 28: the transports take an Outgoing (server/outgoing.py), which the sharing stage's
+    # Entry adapts itself to; were they to import lanes, run or policies, those would import
+    # the transports back one day and close a circle.
+    code = (
+        "import sys, remote_loader.server.transports;"
+        "print(sorted(m for m in sys.modules if m.rsplit('.', 1)[-1] in"
+        " ('lanes', 'run', 'policies', 'sharing', 'membership', 'elastic')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 def test_the_readmes_server_example_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Serving from Python") :]

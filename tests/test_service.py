@@ -55,6 +55,7 @@ def test_loader_names_are_checked(start_server: StartServer) -> None:
         RemoteLoader(address, "nope")
 
 
+@pytest.mark.unit
 def test_unreachable_server_fails_clearly() -> None:
     # Refused at once: no retries, no wait (tests/test_connect.py times the retries).
     with pytest.raises(

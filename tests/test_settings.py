@@ -16,6 +16,7 @@ from tests.conftest import subprocess_env
 LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
 
 
+@pytest.mark.unit
 def test_precedence_flag_then_environment_then_file_then_default() -> None:
     assert resolve_settings(None, {}) == ServerSettings()
     table = {"max_streams": 8, "grace": 2, "address": "127.0.0.1:7000"}
@@ -28,6 +29,7 @@ def test_precedence_flag_then_environment_then_file_then_default() -> None:
     assert (flagged.max_streams, flagged.grace) == (2, 2.0)  # None: the flag was not given
 
 
+@pytest.mark.unit
 def test_metrics_address_and_max_batch_bytes() -> None:
     from remote_loader.server.cli import DEFAULTS, _parser
 
@@ -76,7 +78,9 @@ def test_metrics_address_and_max_batch_bytes() -> None:
         (
             {"data_address": "0.0.0.0:50052", "tls_cert": "/no/cert.pem", "tls_key": "/no/key"},
             {},
-            "data_address 0.0.0.0:50052 would carry batches in plaintext beside a TLS server",
+            # A fixed data_address is fine beside TLS (its connections speak TLS): the files
+            # are what is wrong here.
+            "server tls_cert: cannot read '/no/cert.pem'",
         ),
         (
             {},
@@ -85,6 +89,7 @@ def test_metrics_address_and_max_batch_bytes() -> None:
         ),
     ],
 )
+@pytest.mark.unit
 def test_bad_settings_say_what_is_wrong(
     table: dict[str, object], env: dict[str, str], message: str
 ) -> None:
@@ -92,6 +97,7 @@ def test_bad_settings_say_what_is_wrong(
         resolve_settings(table, env)
 
 
+@pytest.mark.unit
 def test_config_file_tables(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[server]\naddress = "127.0.0.1:0"\nmax_streams = 3\n\n' + LOADER)
@@ -154,6 +160,7 @@ TOKEN = "s3cret-Token_0123456789"
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 
 
+@pytest.mark.unit
 def test_new_settings_precedence() -> None:
     table = {"max_request_bytes": 4096, "reflection": False, "keepalive_time_ms": 30_000}
     env = {"REMOTE_LOADER_REFLECTION": "true", "REMOTE_LOADER_MAX_REQUEST_BYTES": "8192"}
@@ -170,6 +177,7 @@ def test_new_settings_precedence() -> None:
     assert defaults.auth_token() is None and defaults.server_tls() is None
 
 
+@pytest.mark.unit
 def test_serve_flags_reach_the_settings() -> None:
     from remote_loader.server.cli import DEFAULTS, _parser
 
@@ -187,6 +195,7 @@ def test_serve_flags_reach_the_settings() -> None:
     assert no.reflection is False
 
 
+@pytest.mark.unit
 def test_the_token_comes_from_the_environment_or_a_file_and_is_never_shown(
     tmp_path: Path,
 ) -> None:
@@ -202,6 +211,7 @@ def test_the_token_comes_from_the_environment_or_a_file_and_is_never_shown(
     assert ServerSettings().describe().endswith(", no token")
 
 
+@pytest.mark.unit
 def test_bad_security_files_say_which_setting_and_path(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing.pem")
     not_pem = tmp_path / "cert.txt"
@@ -248,6 +258,7 @@ def test_bad_security_files_say_which_setting_and_path(tmp_path: Path) -> None:
         ),
     ],
 )
+@pytest.mark.unit
 def test_bad_new_settings_say_what_is_wrong(
     table: dict[str, object], env: dict[str, str], message: str
 ) -> None:
@@ -265,6 +276,7 @@ def test_check_config_shows_the_new_settings_but_not_the_token(tmp_path: Path) -
     assert "token set" in result.stdout and TOKEN not in result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_max_ring_bytes_from_file_environment_and_flag() -> None:
     from remote_loader.server.cli import DEFAULTS, _parser
 
@@ -278,6 +290,7 @@ def test_max_ring_bytes_from_file_environment_and_flag() -> None:
     assert resolve_settings(table, env, flags).max_ring_bytes == 4096
 
 
+@pytest.mark.unit
 def test_data_address_from_file_environment_and_flag() -> None:
     from remote_loader.server.cli import DEFAULTS, _parser
 

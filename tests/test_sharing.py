@@ -88,6 +88,7 @@ def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[i
 @pytest.mark.parametrize("n", [0, 1, 5, 12, 13])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.unit
 def test_share_splits_like_distributed_sampler(n: int, world_size: int, drop_last: bool) -> None:
     items = [f"item{i}" for i in range(n)]
     shares = [share(items, r, world_size, drop_last) for r in range(world_size)]
@@ -351,10 +352,16 @@ def test_broadcast_killed_consumer_does_not_stall_the_others(
         assert victim.stdout is not None
         assert victim.stdout.readline().strip() == "0"  # attached, reading
 
+        attached = [threading.Event(), threading.Event()]  # a first batch received
+
         def consumer(rank: int) -> Callable[[], list[list[int]]]:
             def consume() -> list[list[int]]:
+                got = []
                 with RemoteLoader(address, sharing="broadcast", rank=rank, world_size=3) as ld:
-                    return indices(list(ld))
+                    for batch in ld:
+                        got.append(batch["index"].tolist())
+                        attached[rank].set()
+                return got
 
             return consume
 
@@ -364,7 +371,8 @@ def test_broadcast_killed_consumer_does_not_stall_the_others(
         )
         started = time.monotonic()
         runner.start()
-        time.sleep(0.5)
+        for event in attached:  # both share the victim's Run before it dies
+            assert event.wait(30)
         victim.send_signal(signal.SIGKILL)
         runner.join(timeout=detach_timeout + 30)
         elapsed = time.monotonic() - started

@@ -62,6 +62,7 @@ def _no_ring_left_behind() -> Iterator[None]:
 # --- the probe -----------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_probe_proves_a_shared_dev_shm_and_is_removed() -> None:
     probe = shm.Probe()
     assert os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
@@ -70,6 +71,7 @@ def test_a_probe_proves_a_shared_dev_shm_and_is_removed() -> None:
     probe.remove()  # idempotent
 
 
+@pytest.mark.unit
 def test_a_wrong_nonce_or_a_missing_probe_is_refused() -> None:
     probe = shm.Probe()
     assert shm.verify_probe(probe.name, bytes(shm.NONCE_BYTES)) is None
@@ -86,10 +88,12 @@ def test_a_wrong_nonce_or_a_missing_probe_is_refused() -> None:
         "rl-ring-" + "0" * 32,
     ],
 )
+@pytest.mark.unit
 def test_the_server_opens_only_probe_shaped_names(name: str) -> None:
     assert shm.verify_probe(name, bytes(shm.NONCE_BYTES)) is None
 
 
+@pytest.mark.unit
 def test_a_probe_that_is_a_link_is_not_followed(tmp_path: Any) -> None:
     target = tmp_path / "secret"
     nonce = os.urandom(shm.NONCE_BYTES)
@@ -108,6 +112,7 @@ def test_a_probe_that_is_a_link_is_not_followed(tmp_path: Any) -> None:
 # --- the ring ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_batches_go_round_the_ring_and_wait_for_the_reader() -> None:
     writer = shm.RingWriter(4 * shm.ALIGN * 4)  # room for 4 batches of 4 lines
     reader = shm.RingReader(writer.name, writer.capacity)
@@ -138,6 +143,7 @@ def test_batches_go_round_the_ring_and_wait_for_the_reader() -> None:
         writer.close()
 
 
+@pytest.mark.unit
 def test_a_batch_never_wraps_and_a_reader_checks_bounds() -> None:
     writer = shm.RingWriter(3 * shm.ALIGN)
     reader = shm.RingReader(writer.name, writer.capacity)
@@ -159,6 +165,7 @@ def test_a_batch_never_wraps_and_a_reader_checks_bounds() -> None:
         writer.close()
 
 
+@pytest.mark.unit
 def test_an_emptied_ring_takes_a_batch_too_big_for_the_space_before_the_wrap() -> None:
     # NOTE [ Ring space ]: 1 then 2 lines leave 1 line before the wrap point; a 4-line batch
     # fits only the whole ring, which the reader has emptied. The skipped line is never
@@ -188,12 +195,14 @@ def test_an_emptied_ring_takes_a_batch_too_big_for_the_space_before_the_wrap() -
         writer.close()
 
 
+@pytest.mark.unit
 def test_ring_sizes_follow_the_batch_and_the_cap() -> None:
     assert shm.ring_bytes_for(1000, 1 << 30) == shm.RING_BATCHES * 1024
     assert shm.ring_bytes_for(1000, 2048) == 2048
     assert shm.ring_bytes_for(5000, 4096) is None
 
 
+@pytest.mark.unit
 def test_no_room_in_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -460,6 +469,7 @@ def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: Se
         assert_same(received, expected(sizes))
 
 
+@pytest.mark.unit
 def test_the_server_shares_rings_only_with_a_user_that_can_open_them() -> None:
     me = os.geteuid()
     assert shm.can_share_with(me)
@@ -467,6 +477,7 @@ def test_the_server_shares_rings_only_with_a_user_that_can_open_them() -> None:
     assert shm.can_share_with(me + 1) == (me == 0)  # a root server gives the ring away
 
 
+@pytest.mark.unit
 def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
     probe = shm.Probe()
     try:

@@ -22,6 +22,8 @@ from remote_loader.server.spec import (
 )
 from tests import datasets
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 
 def test_toml_config(tmp_path: Path) -> None:
     path = tmp_path / "loaders.toml"

@@ -113,6 +113,7 @@ def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
     [0, 1, 1000, MiB - 1, MiB, MiB + 1, 2 * MiB - 1, 2 * MiB, 3 * MiB + 12345, 9_600_000,
      8 * MiB, 8 * MiB + 1, 12_000_000, 100 * MiB + 7],
 )  # fmt: skip
+@pytest.mark.unit
 def test_stripes_cover_the_batch_in_aligned_contiguous_ranges(total: int, connections: int) -> None:
     stripes = tcp.stripes(total, connections)
     assert len(stripes) == min(connections, max(1, total // MiB))
@@ -127,11 +128,13 @@ def test_stripes_cover_the_batch_in_aligned_contiguous_ranges(total: int, connec
 
 
 @pytest.mark.parametrize("connections", [0, tcp.MAX_DATA_CONNECTIONS + 1])
+@pytest.mark.unit
 def test_stripes_need_a_valid_count_of_connections(connections: int) -> None:
     with pytest.raises(ValueError, match="1 to 8 data connections"):
         tcp.stripes(1000, connections)
 
 
+@pytest.mark.unit
 def test_stripes_fill_their_own_ranges_of_a_batch_in_place() -> None:
     blob = random.Random(0).randbytes(3 * MiB + 100)
     header_nbytes = 70  # the padding up to 128 is dropped, the payload starts there
@@ -164,6 +167,7 @@ def test_stripes_fill_their_own_ranges_of_a_batch_in_place() -> None:
 
 
 @pytest.mark.parametrize("waiting", [0, 2])  # on this thread, on the pool after the broken one
+@pytest.mark.unit
 def test_a_failed_stripe_stops_the_others_and_no_stripe_outlives_the_batch(waiting: int) -> None:
     failed = threading.Event()
     returned: list[str] = []
@@ -298,7 +302,7 @@ def test_a_connection_cut_mid_stripe_is_resumed_exactly(
         assert loader.stats().reconnects == 1
         assert loader.last_transport == "tcp"
     # The server's side of it ended too, its threads with it.
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: not stripe_threads(SEND_THREADS), 5)
 
 
@@ -324,7 +328,7 @@ def test_no_socket_or_thread_outlives_its_stream(
             it.close()  # mid-epoch, likely mid-stripe on the server
         else:
             assert sum(1 for _ in it) == len(sizes) - 2
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: data_sockets(port) == 0, 5)
     assert not stripe_threads(SEND_THREADS)
     assert not stripe_threads(RECV_THREADS)
@@ -363,11 +367,12 @@ def test_a_stream_stopped_mid_stripe_ends_at_once(
     finally:
         release.set()
     assert wait_until(lambda: not stripe_threads(RECV_THREADS), 5)
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     assert wait_until(lambda: not stripe_threads(SEND_THREADS), 5)
 
 
 @pytest.mark.parametrize("connections", [0, 9, -1, True, 2.0, "4"])
+@pytest.mark.unit
 def test_data_connections_out_of_range_is_refused(connections: Any) -> None:
     with pytest.raises(ValueError, match="data_connections must be an integer from 1 to 8"):
         RemoteLoader("127.0.0.1:1", data_connections=connections)

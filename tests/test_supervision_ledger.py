@@ -9,6 +9,8 @@ import pytest
 from remote_loader.server.engine import WorkerDiedError
 from remote_loader.server.supervision import MAX_TASK_ATTEMPTS, TaskLedger
 
+pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
+
 REASON = "DataLoader worker 1 (pid 42) exited unexpectedly with signal 11"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from remote_loader.client import RemoteLoader
+from remote_loader.client import RemoteLoader, TransportError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
 from remote_loader.server.server import resolve_data_address
@@ -54,20 +54,19 @@ SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
         ("[::1:5", None),
     ],
 )
+@pytest.mark.unit
 def test_the_data_connection_goes_to_the_host_of_the_grpc_target(
     target: str, host: str | None
 ) -> None:
     assert tcp.target_host(target) == host
 
 
-def test_a_tls_server_keeps_its_batches_inside_tls() -> None:
-    assert resolve_data_address("auto", "0.0.0.0:50051", tls=False) == "0.0.0.0:0"
-    assert resolve_data_address("auto", "[::]:50051", tls=False) == "[::]:0"
-    assert resolve_data_address("auto", "0.0.0.0:50051", tls=True) is None
-    assert resolve_data_address("off", "0.0.0.0:50051", tls=False) is None
-    assert resolve_data_address("10.0.0.1:7", "0.0.0.0:50051", tls=False) == "10.0.0.1:7"
-    with pytest.raises(ValueError, match="plaintext, and this server serves TLS"):
-        resolve_data_address("0.0.0.0:50052", "0.0.0.0:50051", tls=True)
+@pytest.mark.unit
+def test_the_data_listener_goes_on_the_grpc_host_unless_told() -> None:
+    assert resolve_data_address("auto", "0.0.0.0:50051") == "0.0.0.0:0"
+    assert resolve_data_address("auto", "[::]:50051") == "[::]:0"
+    assert resolve_data_address("off", "0.0.0.0:50051") is None
+    assert resolve_data_address("10.0.0.1:7", "0.0.0.0:50051") == "10.0.0.1:7"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -89,11 +88,18 @@ def test_batches_arrive_exactly_on_the_data_connection(
 
 
 def test_a_server_with_its_listener_off_streams_inside_grpc(serve_loaders: ServeLoaders) -> None:
-    served = serve_loaders(sizes_spec(SIZES), data_address="off")
+    served = serve_loaders(sizes_spec(SIZES), data_address="off", max_ring_bytes=0)
     assert served.server.data_port is None
-    with RemoteLoader(served.address, transport="tcp") as loader:
+    with RemoteLoader(served.address) as loader:  # "auto": the next way
         assert_same(list(loader), expected(SIZES))
         assert loader.last_transport == "grpc"
+    # transport="tcp" never becomes gRPC behind the caller's back: it says why, at batch 0.
+    refused = r'transport="tcp", but the server sends batch 0'
+    with (
+        RemoteLoader(served.address, transport="tcp") as loader,
+        pytest.raises(TransportError, match=refused),
+    ):
+        next(iter(loader))
 
 
 def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
@@ -101,8 +107,8 @@ def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
 ) -> None:
     # The listener is on 127.0.0.2, the client reaches gRPC at 127.0.0.1: its connect is
     # refused, as behind a firewall that lets only the gRPC port through.
-    served = serve_loaders(sizes_spec(SIZES), data_address="127.0.0.2:0")
-    with RemoteLoader(served.address, transport="tcp") as loader:
+    served = serve_loaders(sizes_spec(SIZES), data_address="127.0.0.2:0", max_ring_bytes=0)
+    with RemoteLoader(served.address) as loader:
         started = time.monotonic()
         assert_same(list(loader), expected(SIZES))
         elapsed = time.monotonic() - started
@@ -113,6 +119,14 @@ def test_a_client_that_cannot_connect_goes_on_inside_grpc_at_once(
     # The client cancelled and went on: the server did not wait out its ACCEPT_TIMEOUT.
     assert elapsed < tcp.ACCEPT_TIMEOUT / 2, elapsed
     assert caplog.text.count("continuing inside the gRPC stream from batch 0") == 1
+    # transport="tcp" raises instead, saying what failed.
+    with (
+        RemoteLoader(served.address, transport="tcp") as loader,
+        pytest.raises(TransportError, match=r'transport="tcp", but .*cannot connect to 127.0.0.1'),
+    ):
+        next(iter(loader))
+    with pytest.raises(ValueError, match='transport="tcp" needs an address naming one TCP host'):
+        RemoteLoader("unix:/tmp/nothing.sock", transport="tcp")
 
 
 def test_a_client_that_never_connects_gets_frames_after_the_accept_timeout(
@@ -209,7 +223,7 @@ def test_a_data_connection_that_breaks_mid_epoch_is_resumed_exactly(
         assert loader.stats().reconnects == 1
         assert loader.last_transport == "tcp"
     # The server's side of it ended too: no stream is left running.
-    assert wait_until(lambda: served.server.service._streams == 0, 5)
+    assert wait_until(lambda: served.server.service.admission.running == 0, 5)
 
 
 def test_broadcast_consumers_on_every_transport_get_the_same_batches(
@@ -264,12 +278,12 @@ def test_a_killed_client_ends_its_stream_on_the_server(serve_loaders: ServeLoade
     try:
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "tcp"
-        assert served.server.service._streams == 1
+        assert served.server.service.admission.running == 1
         client.kill()
         client.wait(10)
         # The server's send fails (the socket is reset) or the call is cancelled, whichever is
         # first: either way the stream ends and gives its workers back.
-        assert wait_until(lambda: served.server.service._streams == 0, 5)
+        assert wait_until(lambda: served.server.service.admission.running == 0, 5)
     finally:
         client.kill()
         client.wait(10)
@@ -280,17 +294,22 @@ def test_a_killed_client_ends_its_stream_on_the_server(serve_loaders: ServeLoade
 
 
 def test_serve_data_address_flag() -> None:
-    for flag, way in (("127.0.0.1:0", "tcp"), ("off", "grpc")):
+    for flag in ("127.0.0.1:0", "off"):
         proc, address = serve_sizes([1000, 1000], 0, "--data-address", flag)
         try:
             with RemoteLoader(address, transport="tcp") as loader:
-                assert_same(list(loader), expected([1000, 1000]))
-                assert loader.last_transport == way
+                if flag == "off":
+                    with pytest.raises(TransportError, match="offers no data connection"):
+                        list(loader)
+                else:
+                    assert_same(list(loader), expected([1000, 1000]))
+                    assert loader.last_transport == "tcp"
         finally:
             code, err = stop_process(proc)
         assert code == 0, err
 
 
+@pytest.mark.unit
 def test_recv_into_says_what_broke() -> None:
     left, right = socket.socketpair()
     with left, right:
@@ -310,6 +329,7 @@ def test_recv_into_says_what_broke() -> None:
         assert not tcp.recv_into(left, memoryview(bytearray(4)), stop.is_set)
 
 
+@pytest.mark.unit
 def test_send_stops_when_asked_while_the_reader_does_not_read() -> None:
     left, right = socket.socketpair()
     with left, right:

@@ -22,7 +22,10 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.errors import ConnectionLostError, DatasetError
 from remote_loader.protos import shm, slots
+from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.transports.shm import ShmSender
 from tests.conftest import ServeLoaders, assert_same, subprocess_env
 from tests.test_sharing import run_concurrently
 from tests.test_shm import expected, sizes_spec
@@ -42,9 +45,38 @@ def ring_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield copies
 
 
+@pytest.fixture
+def slot_frames(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The batch numbers the (in-process) server sent as a Frame naming a worker's slot."""
+    sent: list[int] = []
+    real = ShmSender._lend
+
+    def counting(self: ShmSender, batch: int, *args: Any, **kwargs: Any) -> Any:
+        frame = real(self, batch, *args, **kwargs)
+        if frame is not None:
+            sent.append(batch)
+        return frame
+
+    monkeypatch.setattr(ShmSender, "_lend", counting)
+    yield sent
+
+
+def broadcast(
+    address: str, rank: int, world_size: int, **kwargs: Any
+) -> Callable[[], list[torch.Tensor]]:
+    def consume() -> list[torch.Tensor]:
+        with RemoteLoader(
+            address, sharing="broadcast", rank=rank, world_size=world_size, **kwargs
+        ) as loader:
+            return list(loader)
+
+    return consume
+
+
 # --- the seqlock and the maps ----------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_generation_tells_a_whole_batch_from_a_slot_rewritten_under_a_copy(
     tmp_path: Any,
 ) -> None:
@@ -75,6 +107,7 @@ def test_the_generation_tells_a_whole_batch_from_a_slot_rewritten_under_a_copy(
         os.close(fd)
 
 
+@pytest.mark.unit
 def test_a_slot_map_refuses_a_descriptor_that_is_not_the_named_file(tmp_path: Any) -> None:
     (tmp_path / "a").write_bytes(bytes(128))
     fd = os.open(tmp_path / "a", os.O_RDONLY)
@@ -153,6 +186,130 @@ def test_broadcast_consumers_read_one_slot_per_batch_and_the_server_copies_nothi
     assert ring_copies == []
 
 
+def test_every_broadcast_consumer_is_sent_a_frame_naming_the_slot_of_every_batch(
+    serve_loaders: ServeLoaders, slot_frames: list[int]
+) -> None:
+    # Issue 28: no board in /dev/shm any more (it cut the server's CPU by less than the 20%
+    # it had to): each same-host broadcast consumer gets a small Frame per batch naming its
+    # slot, on every machine, and every consumer receives every batch once.
+    sizes = [300_000, 20, 1_000_000, 300_000] * 6
+    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
+    before = set(os.listdir(shm.SHM_DIR))
+    for _ in range(2):  # a second epoch: a new Run
+        got = run_concurrently(*(broadcast(served.address, r, 3, device="cpu") for r in range(3)))
+        for received in got:
+            assert_same(received, expected(sizes))
+    assert sorted(slot_frames) == sorted(list(range(len(sizes))) * 6)
+    left = {n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith("rl-")}
+    assert not left, left
+
+
+def test_an_error_arrives_at_its_position_among_broadcast_slot_batches(
+    serve_loaders: ServeLoaders, slot_frames: list[int]
+) -> None:
+    spec = LoaderSpec(
+        name="failing",
+        dataset="tests.datasets:Failing",
+        dataset_kwargs={"n": 20, "bad": 7},
+        batch_size=2,
+        num_workers=2,
+        broadcast_window=3,
+    )
+    served = serve_loaders(spec)
+    ranks = iter(range(2))
+
+    def consume() -> list[object]:
+        got: list[object] = []
+        with RemoteLoader(
+            served.address, sharing="broadcast", world_size=2, rank=next(ranks), device="cpu"
+        ) as loader:
+            it = iter(loader)
+            while True:
+                try:
+                    got.append(next(it).tolist())
+                except DatasetError as exc:
+                    got.append(exc.position)
+                except StopIteration:
+                    return got
+
+    results = run_concurrently(consume, consume)
+    want: list[object] = [[2 * i, 2 * i + 1] for i in range(10)]
+    want[3] = 3  # the batch holding sample 7 fails, at its place; the epoch goes on
+    assert results == [want, want]
+    assert sorted(slot_frames) == sorted([b for b in range(10) if b != 3] * 2)
+
+
+@pytest.mark.parametrize("retries", [0, 5])
+def test_a_stalled_broadcast_consumer_reading_slots_is_detached(
+    serve_loaders: ServeLoaders, retries: int
+) -> None:
+    # Its leased slots go back when it is detached; should it read one after that, the slot's
+    # generation tells it, and it resumes (or fails with the status's reason), never torn.
+    spec = LoaderSpec(
+        name="blobs",
+        dataset="tests.datasets:Blobs",
+        dataset_kwargs={"n": 40, "nbytes": 1 << 18},
+        batch_size=1,
+        num_workers=2,
+        broadcast_window=2,
+        detach_timeout=1.0,
+    )
+    served = serve_loaders(spec)
+    stalled = RemoteLoader(
+        served.address,
+        sharing="broadcast",
+        rank=2,
+        world_size=3,
+        prefetch=1,
+        retries=retries,
+        device="cpu",
+    )
+    stalled_it = iter(stalled)
+    first = int(next(stalled_it)["index"][0])  # joined; it reads no further while others run
+
+    def consumer(rank: int) -> Callable[[], int]:
+        def consume() -> int:
+            with RemoteLoader(
+                served.address, sharing="broadcast", rank=rank, world_size=3, device="cpu"
+            ) as loader:
+                return sum(1 for _ in loader)
+
+        return consume
+
+    assert run_concurrently(consumer(0), consumer(1)) == [40, 40]  # not held by the stalled one
+    if retries == 0:
+        with pytest.raises(ConnectionLostError, match=r"detached .*detach_timeout"):
+            for _ in stalled_it:
+                pass
+    else:  # resumed from its next batch, a production of its own: nothing lost or repeated
+        rest = [int(b["index"][0]) for b in stalled_it]
+        assert [first, *rest] == list(range(40))
+    stalled.close()
+
+
+def test_an_older_client_that_offers_to_follow_a_board_is_sent_its_batches(
+    serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch, slot_frames: list[int]
+) -> None:
+    # StreamRequest field 12 (`board`) is reserved now; a client from before issue 28 still sets
+    # it, and is served as any other: a Frame per batch naming its slot.
+    from remote_loader.client.transports import StreamEnds
+
+    real = StreamEnds.offer
+
+    def offer(self: StreamEnds, request: Any) -> None:
+        real(self, request)
+        request.MergeFromString(b"\x60\x01")  # field 12, varint: board = true
+        assert b"\x60\x01" in request.SerializeToString()  # kept as an unknown field
+
+    monkeypatch.setattr(StreamEnds, "offer", offer)
+    sizes = [200_000] * 8
+    served = serve_loaders(sizes_spec(sizes, broadcast_window=3))
+    got = run_concurrently(*(broadcast(served.address, r, 2, device="cpu") for r in range(2)))
+    for received in got:
+        assert_same(received, expected(sizes))
+    assert sorted(slot_frames) == sorted(list(range(len(sizes))) * 2)
+
+
 def test_a_slot_rewritten_under_the_copy_is_resumed_not_delivered(
     serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,9 +384,9 @@ def test_a_client_in_another_pid_namespace_gets_the_ring(serve_loaders: ServeLoa
 def test_slots_go_back_to_the_workers_when_a_client_stops_mid_epoch(
     serve_loaders: ServeLoaders, sharing: str
 ) -> None:
-    # A client that leaves with batches leased (broadcast: on its Run's board, NOTE [ Broadcast
-    # board ]): the stream's end gives them back to the persistent pool, which would otherwise
-    # make new slots for every client.
+    # A client that leaves with batches leased (broadcast too, whose Run keeps its window for
+    # the other consumers): the stream's end gives them back to the persistent pool, which
+    # would otherwise make new slots for every client.
     sizes = [400_000] * 40
     served = serve_loaders(
         sizes_spec(

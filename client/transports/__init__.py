@@ -3,10 +3,7 @@
 - base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
   other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
-- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py);
-- board.py: following a broadcast job's board, where a same-host consumer reads which slot holds
-  each batch instead of a Frame per batch, when the server announces one (protos/board.py;
-  only on x86).
+- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py).
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
@@ -15,25 +12,25 @@ receiver reads Frames and knows none of them. The server's side is remote_loader
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import ssl
 from collections.abc import Callable, Iterator
 
-from remote_loader.client.errors import ProtocolError
+from remote_loader.client.errors import ProtocolError, TransportError
 from remote_loader.client.transports.base import BatchReused, End, InbandEnd, TransportUnusable
-from remote_loader.client.transports.board import Following
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
-from remote_loader.protos import board as board_protocol
 from remote_loader.protos import loader_pb2 as pb
 
 # Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
 from remote_loader.protos import shm as shm_protocol
 from remote_loader.protos import slots as slot_protocol
+from remote_loader.protos import wire
 
 __all__ = [
     "BatchReused",
     "End",
-    "Following",
     "InbandEnd",
     "ShmEnd",
     "StreamEnds",
@@ -53,7 +50,9 @@ class Transports:
     tcp.DEFAULT_DATA_CONNECTIONS; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
     mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
     owner stops asking in later epochs (a firewall that drops the connection would cost every
-    epoch tcp.CONNECT_TIMEOUT).
+    epoch tcp.CONNECT_TIMEOUT). `tcp_tls`, `tcp_server_name`: a TLS client's context for its
+    data connections and the name its server's certificate carries; `tcp_required`:
+    transport="tcp", which never goes on inside gRPC (TransportError instead).
     """
 
     def __init__(
@@ -65,11 +64,15 @@ class Transports:
         data_connections: int | None = None,
         on_tcp_failed: Callable[[], None] = lambda: None,
         slot_maps: slot_protocol.SlotMaps | None = None,
+        tcp_tls: ssl.SSLContext | None = None,
+        tcp_server_name: str | None = None,
+        tcp_required: bool = False,
     ) -> None:
         self._what = what
         self._use_shm = use_shm and shm_protocol.available()
         self._tcp_host = tcp_host
         self._data_connections = data_connections
+        self._tcp_options = TcpOptions(tcp_tls, tcp_server_name, tcp_required)
         self._on_tcp_failed = on_tcp_failed
         # Workers' slots mapped by the streams (NOTE [ Zero-copy slots ]); the loader's, so that
         # every epoch reads the same pool's slots through the same maps.
@@ -84,6 +87,7 @@ class Transports:
             stopped,
             self._slot_maps,
             self._data_connections,
+            self._tcp_options,
         )
 
     def give_up(self, unusable: TransportUnusable) -> None:
@@ -105,6 +109,15 @@ class Transports:
             return None
 
 
+@dataclasses.dataclass(frozen=True)
+class TcpOptions:
+    """How a client makes its data connections, beyond where to (Transports' tcp_* args)."""
+
+    tls: ssl.SSLContext | None = None
+    server_name: str | None = None
+    required: bool = False
+
+
 class StreamEnds:
     """One stream's receiving ends: what its request offers, and which end carries each
     batch Frame. Owns what the ends open (a probe, a ring, sockets) until `close()`."""
@@ -117,13 +130,22 @@ class StreamEnds:
         stopped: Callable[[], bool],
         slot_maps: slot_protocol.SlotMaps | None = None,
         data_connections: int | None = None,
+        tcp_options: TcpOptions | None = None,
     ) -> None:
         self._what = what
         self._inband = InbandEnd()
         self._shm = ShmEnd(what, probe, slot_maps)
-        self._tcp = TcpEnd(what, tcp_host, stopped, data_connections)
+        options = tcp_options or TcpOptions()
+        self._tcp = TcpEnd(
+            what,
+            tcp_host,
+            stopped,
+            data_connections,
+            tls=options.tls,
+            server_name=options.server_name,
+            required=options.required and tcp_host is not None,
+        )
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
-        self._following: Following | None = None
 
     def offer(self, request: pb.StreamRequest) -> None:
         """Writes the offer into the stream's `request`: a shared-memory probe, data
@@ -131,9 +153,6 @@ class StreamEnds:
         offer = self._shm.offer()
         if offer is not None:
             request.shm.CopyFrom(offer)
-            # NOTE [ Broadcast board ]: followed if the server has one, where this machine
-            # keeps the board's loads in order (the server's may be emulated).
-            request.board = board_protocol.ordered_here()
         request.tcp = self._tcp.asked
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
@@ -152,27 +171,15 @@ class StreamEnds:
         self._tcp.connect(meta.tcp_channel)
         return True
 
-    def frames(
-        self,
-        messages: Iterator[bytes],
-        *,
-        call_done: Callable[[], bool],
-        stopped: Callable[[], bool],
-        start: int,
-    ) -> Following:
-        """The stream's (Frame, data) pairs: its gRPC `messages`, or its broadcast board's
-        records once the server announces one (client/transports/board.py)."""
-        self._following = Following(
-            self._what,
-            messages,
-            self._shm,
-            call_done=call_done,
-            answered=self.answered,
-            stopped=stopped,
-            beat=self.beat,
-            start=start,
-        )
-        return self._following
+    def frames(self, messages: Iterator[bytes]) -> Iterator[tuple[pb.Frame, memoryview]]:
+        """The stream's gRPC `messages` as (Frame, data) pairs; each says the server has read
+        the offer. Raises ProtocolError for a message that is not a Frame."""
+        for message in messages:
+            self.answered()
+            try:
+                yield wire.parse_frame(message)
+            except wire.FrameError as exc:
+                raise ProtocolError(f"{self._what}: {exc}") from exc
 
     def carrying(self, meta: pb.Frame) -> End:
         """The end that carries the batch Frame `meta`."""
@@ -181,7 +188,19 @@ class StreamEnds:
             return self._shm
         if meta.on_tcp:
             return self._tcp
+        if self._tcp.required and not self._tcp.connected:
+            raise TransportError(
+                f'{self._what}: transport="tcp", but the server sends batch {meta.batch} inside '
+                'the gRPC stream: it offers no data connection (its data_address is "off", '
+                "or it is a version without them) or did not get them all in time; "
+                'transport="auto" would go on inside gRPC'
+            )
         return self._inband
+
+    def server_closed(self) -> bool:
+        """Whether the server has let go of the stream (its status follows the Frames it sent:
+        reading on to it ends soon)."""
+        return self._shm.server_closed()
 
     def beat(self) -> None:
         """The training loop is busy: tells the server, which may be waiting for room on the
@@ -190,7 +209,5 @@ class StreamEnds:
         self._tcp.beat()
 
     def close(self) -> None:
-        if self._following is not None:
-            self._following.close()
         self._shm.close()
         self._tcp.close()

@@ -28,9 +28,9 @@ class TransportUnusable(Exception):
 
 
 class BatchReused(ConnectionLostError):
-    """A worker's slot, or a broadcast board's record, was reused under the client's read: the
-    server let go of the stream (a broadcast consumer detached, a stream it thought over). The
-    stream is resumed from that batch, unless the call's status says it must not."""
+    """A worker's slot was reused under the client's read: the server let go of the stream (a
+    broadcast consumer detached, a stream it thought over). The stream is resumed from that
+    batch, unless the call's status says it must not."""
 
 
 class End(Protocol):

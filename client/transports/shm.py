@@ -80,6 +80,12 @@ class ShmEnd:
         try:
             whole = self._slots.view(slot.pid, slot.fd, slot.inode, slot.size)
         except slots.SlotUnavailable as exc:
+            if control.server_closed():
+                # Not a slot this process cannot open: one the server let go of with the
+                # stream (a broadcast consumer detached, its Run's workers gone since).
+                raise BatchReused(
+                    f"{self._what}: batch {meta.batch}: the server let go of the stream ({exc})"
+                ) from exc
             raise TransportUnusable(self.name, str(exc), "over gRPC") from exc
         if ref.offset < slots.SLOT_HEADER or ref.offset + meta.total_bytes > slot.size:
             raise ProtocolError(
@@ -100,15 +106,18 @@ class ShmEnd:
         control.release(ref.release)
         return complete
 
-    def control_ring(self, name: str, nbytes: int, *, listen: bool = False) -> shm.RingReader:
+    def control_ring(self, name: str, nbytes: int) -> shm.RingReader:
         """The stream's control ring (NOTE [ Zero-copy slots ]), opened the first time it is
-        named (`listen`: the server may wake this client through it). Raises ShmUnavailable,
-        and ProtocolError for a second one."""
+        named. Raises ShmUnavailable, and ProtocolError for a second one."""
         if self._control is None:
-            self._control = shm.RingReader(name, nbytes, listen=listen)
+            self._control = shm.RingReader(name, nbytes)
         elif self._control.name != name:
             raise ProtocolError(f"{self._what}: a second control ring in one stream")
         return self._control
+
+    def server_closed(self) -> bool:
+        """Whether the server has let go of the stream (closed its control ring)."""
+        return self._control is not None and self._control.server_closed()
 
     def beat(self) -> None:
         for ring in (self._ring, self._control):

@@ -6,12 +6,13 @@ remote_loader.protos.tcp, which holds both ends' protocol).
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from remote_loader.client.assembly import Assembly
-from remote_loader.client.errors import ConnectionLostError, ProtocolError
+from remote_loader.client.errors import ConnectionLostError, ProtocolError, TransportError
 from remote_loader.client.transports.base import TransportUnusable
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
@@ -28,7 +29,10 @@ class TcpEnd:
     `host`: the gRPC target's host, where the data connections go (None: this client did not
     ask for any). `connections`: how many it asks for (1 to tcp.MAX_DATA_CONNECTIONS; None:
     tcp.DEFAULT_DATA_CONNECTIONS). `stopped`: the receiver's; a read waiting on a socket gives
-    up when it turns true.
+    up when it turns true. `tls`: the client's context for the data connections (a TLS
+    client's: its gRPC channel's CA, certificate and key), `server_name` the name the server's
+    certificate must carry (None: `host`). `required`: transport="tcp", where a data connection
+    that cannot be made is an error (TransportError), not a fallback.
     """
 
     name = "tcp"
@@ -39,6 +43,10 @@ class TcpEnd:
         host: str | None,
         stopped: Callable[[], bool],
         connections: int | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+        required: bool = False,
     ) -> None:
         if connections is None:
             connections = tcp.DEFAULT_DATA_CONNECTIONS
@@ -51,9 +59,17 @@ class TcpEnd:
         self._host = host
         self._stopped = stopped
         self.connections = connections
+        self._tls = tls
+        self._server_name = server_name
+        self.required = required
         self._socks: list[socket.socket] = []
         # Reads stripes 1.. (and makes connections 1..); threads start when first needed.
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the stream's data connections are made."""
+        return bool(self._socks)
 
     @property
     def asked(self) -> bool:
@@ -78,7 +94,9 @@ class TcpEnd:
 
         def attempt(ticket: bytes) -> socket.socket | Exception:
             try:
-                return tcp.connect(host, channel.port, ticket)
+                return tcp.connect(
+                    host, channel.port, ticket, tls=self._tls, server_name=self._server_name
+                )
             except (tcp.DataConnectionError, ValueError) as exc:
                 return exc
 
@@ -100,6 +118,11 @@ class TcpEnd:
             reason = str(errors[0])
             if len(tickets) > 1:
                 reason = f"{len(errors)} of {len(tickets)} data connections failed: {reason}"
+            if self.required:
+                raise TransportError(
+                    f'{self._what}: transport="tcp", but {reason}; transport="auto" would go on '
+                    "inside the gRPC stream instead"
+                ) from errors[0]
             raise TransportUnusable(self.name, reason, "inside the gRPC stream") from errors[0]
         self._socks = made
 

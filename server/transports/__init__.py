@@ -4,7 +4,8 @@
   and every other transport's fallback);
 - shm.py: a ring in /dev/shm, for a client on this host that proved it (protos/shm.py);
 - tcp.py: data connections beside the gRPC stream, for a client on another host
-  (protos/tcp.py), and the `DataListener` that accepts them.
+  (protos/tcp.py); listener.py: the `DataListener` that accepts them (over TLS on a TLS
+  server) and holds them after their stream's end until the client has read them.
 
 `negotiate` picks the transport from what the request offers and what this server allows; the
 stream's send loop only iterates `Sender.send` and knows none of them.
@@ -123,4 +124,4 @@ def connect(
             who,
         )
         return negotiated.sender
-    return TcpSender(arrived, client_silence)
+    return TcpSender(arrived, client_silence, retire=listener.retire)

@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterator
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, slots, wire
 from remote_loader.server.errors import ClientSilent
-from remote_loader.server.lanes import Entry
+from remote_loader.server.outgoing import Outgoing
 from remote_loader.server.transports.base import (
     DEFAULT_CLIENT_SILENCE,
     InbandSender,
     StreamStopped,
-    payload,
 )
 
 log = logging.getLogger(__name__)
@@ -96,19 +95,19 @@ class ShmSender:
         self.disabled = False  # /dev/shm refused a ring: the rest of the stream goes as Frames
         self.batches = 0  # sent through shared memory
 
-    def send(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        frame = self._lend(batch, entry, stopped)
+    def send(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> Iterator[bytes]:
+        frame = self._lend(batch, outgoing, stopped)
         if frame is None:
-            frame = self.frame(batch, payload(entry), entry.delivery.header_nbytes, stopped)
+            frame = self.frame(batch, outgoing.blob, outgoing.header_nbytes, stopped)
         if frame is None:
-            return self.fallback.send(batch, entry, stopped)
+            return self.fallback.send(batch, outgoing, stopped)
         return iter((frame,))
 
-    def _lend(self, batch: int, entry: Entry, stopped: Callable[[], bool]) -> bytes | None:
+    def _lend(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> bytes | None:
         """The Frame that hands batch `batch` over in its worker's slot (NOTE [ Zero-copy
         slots ]); None: it goes through the ring. Raises StreamStopped or ClientSilent while
         waiting for the client to release an earlier one."""
-        ref = entry.delivery.slot
+        ref = outgoing.slot
         if not self.zero_copy or ref is None:
             return None
         control = self.open_control()
@@ -121,13 +120,13 @@ class ShmSender:
                 lambda: control.consumed() >= oldest, stopped, "release a slot", ending=False
             )
             self._end_leases(control.consumed())
-        self._leased.append((self._sent + 1, entry.lease()))
+        self._leased.append((self._sent + 1, outgoing.lease()))
         self._sent += 1
         self.batches += 1
         return wire.handle_frame(
             batch,
-            entry.nbytes,
-            entry.delivery.header_nbytes,
+            outgoing.nbytes,
+            outgoing.header_nbytes,
             shm=pb.ShmBatch(
                 ring=control.name,
                 ring_bytes=control.capacity,

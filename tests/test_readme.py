@@ -1,0 +1,106 @@
+"""What README.md tells a user to run works as written: the "Serving from Python" example as a
+saved script (and, without its `__main__` guard, an error that names the guard), and install
+commands that work from a clone of the repository."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from remote_loader.protos import compression
+from remote_loader.server.backends import RAY_INSTALL
+from tests.conftest import ROOT, subprocess_env
+
+README = (ROOT / "README.md").read_text()
+GUARD = 'if __name__ == "__main__":'
+# Within the marks' timeout, so a hung script fails with its output rather than pytest's.
+RUN_TIMEOUT = 150
+
+
+def _python_example(heading: str) -> str:
+    """The first ```python block after `heading` in the README."""
+    section = README[README.index(heading) :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, f"no python block after {heading!r}"
+    return match.group(1)
+
+
+def _run_script(path: Path) -> subprocess.CompletedProcess[str]:
+    """`python PATH` from PATH's folder, as a user runs a saved script; the session is its own,
+    so a timeout stops its server's processes too."""
+    proc = subprocess.Popen(
+        [sys.executable, path.name],
+        cwd=path.parent,
+        env=subprocess_env(),  # REMOTE_LOADER_CACHE: the demo images go to the test's tmp
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{path.name} ran past {RUN_TIMEOUT} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(180)
+def test_serving_from_python_example_runs_as_a_script(tmp_path: Path) -> None:
+    script = tmp_path / "serve_images.py"
+    script.write_text(_python_example("### Serving from Python"))
+    result = _run_script(script)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^512 images in one epoch from <Server images on port \d+>$", result.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_serving_from_python_without_the_guard_names_the_guard(tmp_path: Path) -> None:
+    code = _python_example("### Serving from Python")
+    guarded = re.search(rf"^{re.escape(GUARD)}.*\n    main\(\)\n", code, re.M)
+    assert guarded is not None, code
+    script = tmp_path / "unguarded.py"
+    script.write_text(code.replace(guarded.group(0), "main()\n"))
+    result = _run_script(script)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # the script's own error, raised by Server()
+    assert last.startswith("RuntimeError: the server's worker processes cannot start"), last
+    assert f"under `{GUARD}`" in last and f"({script})" in last, last
+    # Each worker's import of the script failed with the same advice, not multiprocessing's.
+    assert "a Server is being built while a worker process imports the main module" in (
+        result.stderr
+    )
+    assert "died" not in result.stderr
+
+
+def _extra(name: str) -> list[str]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        extras: dict[str, list[str]] = tomllib.load(f)["project"]["optional-dependencies"]
+    return extras[name]
+
+
+@pytest.mark.unit
+def test_install_commands_work_from_a_clone() -> None:
+    # The project is installed from its repository: no package index has "remote-loader".
+    printed = [ROOT / "README.md"]
+    for folder in ("server", "client", "protos", "examples", "docker"):
+        printed.extend(p for p in (ROOT / folder).rglob("*") if p.is_file())
+    for path in printed:
+        if path.suffix in (".py", ".md", ".toml", ".yml", "") or path.name == "Dockerfile":
+            assert "remote-loader[" not in path.read_text(errors="replace"), path
+    # The hints name the packages as the extras do, and the extra as a path install.
+    assert _extra("ray") == ["ray>=2.40,<3"]
+    assert RAY_INSTALL.startswith('pip install "ray>=2.40,<3" '), RAY_INSTALL
+    assert 'pip install ".[ray]"' in RAY_INSTALL
+    for codec, requirement in zip(compression.CODECS, _extra("compression"), strict=True):
+        hint = compression.install_hint(codec)
+        assert hint.startswith(f'pip install "{requirement}" '), hint
+        assert 'pip install ".[compression]"' in hint

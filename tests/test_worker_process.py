@@ -1,0 +1,41 @@
+"""Every worker process runs torch on one thread, as torch's own workers do
+(torch/utils/data/_utils/worker.py), whichever way it was started: per Run, persistent, or added
+by autotuning, beside another loader's idle persistent workers (issue 30)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from remote_loader.client import RemoteLoader
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import ServeLoaders
+
+
+def threads_spec(name: str, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name=name,
+        dataset="tests.datasets:Threads",
+        dataset_kwargs={"n": 6},
+        batch_size=1,
+        num_workers=1,
+        seeding="per_batch",
+        **options,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_workers_run_torch_on_one_thread_however_started(serve_loaders: ServeLoaders) -> None:
+    served = serve_loaders(
+        threads_spec("per_run"),
+        threads_spec("persistent", persistent_workers=True),
+        threads_spec("auto", persistent_workers=True, autotune=True, max_workers=2),
+        threads_spec("neighbour", persistent_workers=True),  # idle: another loader's workers
+    )
+    for name in ("per_run", "persistent", "auto"):
+        with RemoteLoader(served.address, name) as loader:
+            rows = torch.cat(list(loader)).view(-1, 2).tolist()
+        assert len(rows) == 6, (name, rows)
+        assert {threads for threads, _ in rows} == {1}, (name, rows)
