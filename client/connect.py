@@ -3,6 +3,7 @@ the server, with every wait under a deadline (NOTE [ Waiting for the server ])."
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,6 +17,9 @@ from remote_loader.client.errors import (
     map_rpc_error,
     server_busy,
 )
+from remote_loader.client.security import TLS, open_channel
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import wire
 
 # NOTE [ Waiting for the server ]
 #
@@ -245,3 +249,51 @@ def _gave_up(
         f"{what}: cannot reach {address} ({tried}; retries and backoff set how many and how "
         f"long): {details}. Is the server running and the address right? {hint}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Stubs:
+    """The service's three methods on one channel."""
+
+    describe: Any  # DescribeRequest -> LoaderInfo
+    list: Any  # ListLoadersRequest -> ListLoadersResponse
+    stream: Any  # StreamRequest -> raw Frame bytes, parsed by the receiver without a copy
+
+
+def open_stubs(address: str, tls: TLS | None, token: str | None) -> tuple[grpc.Channel, Stubs]:
+    """A channel to `address` with the loader's options, and the service's stubs on it."""
+    channel = open_channel(
+        address,
+        tls=tls,
+        token=token,
+        options=[
+            ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
+            # Reconnect soon after a server restart, rather than after grpc's default backoff
+            # (which grows to two minutes).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            *wire.CLIENT_KEEPALIVE_OPTIONS,
+        ],
+    )
+    return channel, Stubs(
+        describe=channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        ),
+        list=channel.unary_unary(
+            f"/{wire.SERVICE_NAME}/ListLoaders",
+            request_serializer=pb.ListLoadersRequest.SerializeToString,
+            response_deserializer=pb.ListLoadersResponse.FromString,
+        ),
+        stream=channel.unary_stream(
+            wire.STREAM_METHOD,
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=_as_is,
+        ),
+    )
+
+
+def _as_is(message: bytes) -> bytes:
+    return message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import queue
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -19,9 +21,11 @@ from remote_loader.client.options import (
     membership,
     resolve_device,
 )
-from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
+from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.security import TLS, resolve_tls, resolve_token
+from remote_loader.client.transports import StreamEnds, Transports
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp, wire
+from remote_loader.protos import tcp
 from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.slots import SlotMaps
 
@@ -167,37 +171,9 @@ class RemoteLoader:
                 f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
                 f"{address!r}: the data connections go to that host"
             )
-        self._channel = open_channel(
-            address,
-            tls=self.tls,
-            token=resolve_token(token),
-            options=[
-                ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
-                # Reconnect soon after a server restart, rather than after grpc's default backoff
-                # (which grows to two minutes).
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-                *wire.CLIENT_KEEPALIVE_OPTIONS,
-            ],
-        )
+        self._channel, stubs = connect.open_stubs(address, self.tls, resolve_token(token))
+        self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
         try:
-            self._describe = self._channel.unary_unary(
-                f"/{wire.SERVICE_NAME}/Describe",
-                request_serializer=pb.DescribeRequest.SerializeToString,
-                response_deserializer=pb.LoaderInfo.FromString,
-            )
-            self._list = self._channel.unary_unary(
-                f"/{wire.SERVICE_NAME}/ListLoaders",
-                request_serializer=pb.ListLoadersRequest.SerializeToString,
-                response_deserializer=pb.ListLoadersResponse.FromString,
-            )
-            # Raw bytes out: Frames are parsed by the receiver without copying their data.
-            self._stream = self._channel.unary_stream(
-                wire.STREAM_METHOD,
-                request_serializer=pb.StreamRequest.SerializeToString,
-                response_deserializer=_as_is,
-            )
             self.name = loader if loader is not None else self._only_loader(connect_timeout)
             self.info: pb.LoaderInfo = self._call(
                 self._describe,
@@ -323,11 +299,63 @@ class RemoteLoader:
             request.seed = self.seed
         if self._reshard is not None:
             request.reshard.CopyFrom(state_module.reshard_message(self._reshard))
-        self._iterator = EpochIterator(self, request, self._start)
+        self._iterator = EpochIterator(
+            request.epoch,
+            self._start,
+            functools.partial(self._receiver, request, self._start),
+            self.prefetch,
+            self.timeout,
+            self.__len__,
+        )
         self._iter_reshard, self._reshard = self._reshard, None
         self._epoch += 1
         self._start = 0
         return self._iterator
+
+    def _receiver(self, request: pb.StreamRequest, start: int, out: queue.Queue[Item]) -> Receiver:
+        """The thread that reads `request`'s epoch from batch `start` into `out` (not started)."""
+        what = f"loader {self.name!r} epoch {request.epoch} from {self.address}"
+
+        def open_stream(first: int, ends: StreamEnds) -> Any:
+            again = pb.StreamRequest()
+            again.CopyFrom(request)
+            again.start = first
+            ends.offer(again)
+            # Not wait_for_ready: the receiver has waited for the connection, with a deadline
+            # (NOTE [ Waiting for the server ]); this call would wait for one without any.
+            return self._stream(again, wait_for_ready=False)
+
+        transports = Transports(
+            what,
+            use_shm=self.transport == "auto",
+            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
+            tcp_host=(
+                tcp.target_host(self.address)
+                if self.transport != "grpc" and not self._no_data_connection
+                else None
+            ),
+            data_connections=self.data_connections,
+            on_tcp_failed=self._data_connection_failed,
+            slot_maps=self._slot_maps,
+            tcp_tls=self._data_tls,
+            tcp_server_name=self.tls.server_name if self.tls is not None else None,
+            tcp_required=self.transport == "tcp",
+        )
+        receiver = Receiver(
+            open_stream,
+            out,
+            transports=transports,
+            device=self.device,
+            pin=self.pin_memory,
+            what=what,
+            buffers=self._buffers,
+            start=start,
+            retries=self.retries,
+            backoff=self.backoff,
+            wait_ready=self._wait_ready,
+            connect_timeout=self.connect_timeout,
+        )
+        return receiver
 
     # --- resuming ------------------------------------------------------------------------
 
@@ -452,7 +480,3 @@ class RemoteLoader:
             f"<RemoteLoader {self.name!r} at {self.address} {self.sharing} "
             f"rank={self.rank}/{self.world_size} epoch={self._epoch} {state}>"
         )
-
-
-def _as_is(message: bytes) -> bytes:
-    return message
