@@ -10,6 +10,7 @@ from remote_loader.client.errors import (
     ProtocolError,
     RemoteLoaderError,
     RequestError,
+    ServerBusyError,
     ServerError,
     TransportError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "RemoteLoader",
     "RemoteLoaderError",
     "RequestError",
+    "ServerBusyError",
     "ServerError",
     "TransportError",
 ]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -21,12 +21,6 @@ from remote_loader.client.receiver import (
     Ready,
     Receiver,
 )
-from remote_loader.client.transports import StreamEnds, Transports
-from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp
-
-if TYPE_CHECKING:  # the loader imports this module
-    from remote_loader.client.loader import RemoteLoader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,51 +49,25 @@ class LoaderStats:
 class EpochIterator(Iterator[Any]):
     """One epoch's stream: a receiver thread and the bounded queue it fills."""
 
-    def __init__(self, owner: RemoteLoader, request: pb.StreamRequest, start: int) -> None:
-        self._owner = owner
-        self.epoch = request.epoch
-        self._queue: queue.Queue[Item] = queue.Queue(maxsize=owner.prefetch)
+    def __init__(
+        self,
+        epoch: int,
+        start: int,
+        receiver: Callable[[queue.Queue[Item]], Receiver],
+        prefetch: int,
+        timeout: float | None,
+        length: Callable[[], int],
+    ) -> None:
+        """`receiver(queue)` makes the thread that fills `queue` (bounded: `prefetch` batches)
+        with this epoch's stream from batch `start`; `timeout` bounds each `next()` (None:
+        no bound, torch's timeout=0); `length()` is the loader's len()."""
+        self.epoch = epoch
+        self._timeout = timeout
+        self._length = length
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=prefetch)
         self._done = False
         self.finished = False  # the epoch's end was reached (StopIteration)
-        what = f"loader {owner.name!r} epoch {request.epoch} from {owner.address}"
-
-        def open_stream(first: int, ends: StreamEnds) -> Any:
-            again = pb.StreamRequest()
-            again.CopyFrom(request)
-            again.start = first
-            ends.offer(again)
-            return owner._stream(again, wait_for_ready=True)
-
-        transports = Transports(
-            what,
-            use_shm=owner.transport == "auto",
-            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
-            tcp_host=(
-                tcp.target_host(owner.address)
-                if owner.transport != "grpc" and not owner._no_data_connection
-                else None
-            ),
-            data_connections=owner.data_connections,
-            on_tcp_failed=owner._data_connection_failed,
-            slot_maps=owner._slot_maps,
-            tcp_tls=owner._data_tls,
-            tcp_server_name=owner.tls.server_name if owner.tls is not None else None,
-            tcp_required=owner.transport == "tcp",
-        )
-        self._receiver = Receiver(
-            open_stream,
-            self._queue,
-            transports=transports,
-            device=owner.device,
-            pin=owner.pin_memory,
-            what=what,
-            buffers=owner._buffers,
-            start=start,
-            retries=owner.retries,
-            backoff=owner.backoff,
-            wait_ready=owner._wait_ready,
-            connect_timeout=owner.connect_timeout,
-        )
+        self._receiver = receiver(self._queue)
         self._receiver.start()
         self.batches = start  # the epoch's position: batches yielded, including skipped ones
         self.transport: str | None = None  # how the latest batch handed out arrived
@@ -112,7 +80,7 @@ class EpochIterator(Iterator[Any]):
         self._ended_at: float | None = None
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return self._length()
 
     def __next__(self) -> Any:
         if self._done:
@@ -170,7 +138,7 @@ class EpochIterator(Iterator[Any]):
 
     def _get(self) -> Item:
         """The next item, waiting at most the loader's timeout, never on a dead receiver."""
-        deadline = None if self._owner.timeout is None else time.monotonic() + self._owner.timeout
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
         while True:
             try:
                 return self._queue.get(timeout=POLL_INTERVAL)
@@ -182,7 +150,7 @@ class EpochIterator(Iterator[Any]):
                     ) from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise LoaderTimeoutError(
-                        f"RemoteLoader timed out after {self._owner.timeout} seconds waiting "
+                        f"RemoteLoader timed out after {self._timeout} seconds waiting "
                         f"for batch {self.batches} of epoch {self.epoch}"
                     ) from None
 

@@ -11,6 +11,8 @@ RemoteLoaderError
 ├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError)
 ├── ProtocolError          the server sent frames this client cannot read
 └── ServerError            any other failure reported by the server (INTERNAL, ...)
+    └── ServerBusyError    the server stayed at its max_streams through every retry
+                           (RESOURCE_EXHAUSTED)
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ class ServerError(RemoteLoaderError):
     """The server reported a failure that is not the dataset's (status INTERNAL, UNKNOWN, ...)."""
 
 
+class ServerBusyError(ServerError):
+    """The server refused the stream for now, being full (its max_streams), and still was after
+    the client's `retries`: raise the server's max_streams or run fewer streams at once."""
+
+
+# The details of a RESOURCE_EXHAUSTED that says the server is full, not a message too big (that
+# is RESOURCE_EXHAUSTED too, gRPC's "larger than max"): the service's own refusal (max_streams,
+# server/service.py) and grpc's (its maximum_concurrent_rpcs, server/server.py).
+BUSY_MARKERS = ("max_streams", "Concurrent RPC limit exceeded")
+
+
+def server_busy(exc: grpc.RpcError) -> bool:
+    """Whether `exc` is a server refusing for now because it is full, which a later attempt
+    may pass, rather than a request over a size limit, which none will."""
+    if not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    details = exc.details() or ""
+    return any(marker in details for marker in BUSY_MARKERS)
+
+
 def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     """The RemoteLoaderError for a failed gRPC call; `what` says what was being done."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -99,4 +121,6 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
         return ConnectionLostError(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectionLostError(f"{what}: no answer from the server in time ({details})")
+    if server_busy(exc):
+        return ServerBusyError(f"{message} (status RESOURCE_EXHAUSTED)")
     return ServerError(f"{message} (status {code.name if code else 'unknown'})")

@@ -2,31 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import queue
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import grpc
 import torch
 
+from remote_loader.client import connect
 from remote_loader.client import state as state_module
+from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.epoch import EpochIterator, LoaderStats
-from remote_loader.client.errors import (
-    ConnectionLostError,
-    LoaderNotFoundError,
-    RequestError,
-    map_rpc_error,
-)
+from remote_loader.client.errors import LoaderNotFoundError, RequestError
 from remote_loader.client.options import (
     check_options,
     compression_codec,
     membership,
     resolve_device,
 )
-from remote_loader.client.receiver import DEFAULT_BACKOFF
-from remote_loader.client.security import TLS, open_channel, resolve_tls, resolve_token
+from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.security import TLS, resolve_tls, resolve_token
+from remote_loader.client.transports import StreamEnds, Transports
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp, wire
+from remote_loader.protos import tcp
 from remote_loader.protos.buffers import BufferPool
 from remote_loader.protos.slots import SlotMaps
 
@@ -39,7 +38,8 @@ class RemoteLoader:
     """Iterates a loader hosted by a remote-loader server, like a `torch.utils.data.DataLoader`.
 
     Args:
-        address: the server, "host:port".
+        address: the server, "host:port" ("[v6]:port" for an IPv6 address; any gRPC target
+            naming a port, or a "unix:" socket); one without a port is a ValueError.
         loader: which of the server's loaders; None picks its only one.
         rank, world_size: this consumer's place in its job. Default: the initialized
             `torch.distributed` group, else the RANK / WORLD_SIZE environment variables, else
@@ -58,13 +58,16 @@ class RemoteLoader:
             bound; with CUDA, at most this many + 2 pinned batches exist at once).
         timeout: seconds to wait for one batch before LoaderTimeoutError; None waits as long as
             the stream is alive.
-        connect_timeout: seconds to wait for the server when connecting (and reconnecting).
+        connect_timeout: seconds one attempt waits for a server that does not answer, when
+            connecting and before each stream (NOTE [ Waiting for the server ] in
+            client/connect.py); a refused connection is retried after the backoff instead.
         token: the server's token, sent on every call as `authorization: Bearer <token>`;
             None takes the REMOTE_LOADER_TOKEN environment variable, "" sends none.
         tls: None or False: plaintext; True: TLS, trusting the system's CAs; a `TLS(ca=...,
             cert=..., key=..., server_name=...)` for a private CA or mutual TLS.
         retries: how many times in a row a broken stream is resumed without a batch arriving
-            before the error reaches the training loop (0: never resume).
+            before the error reaches the training loop (0: never resume); also how many times
+            the first connection is tried again after a refusal.
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
         transport: "auto" moves batches through shared memory when the server shares this
             host's /dev/shm (the same machine, or containers sharing IPC), else on data
@@ -111,6 +114,7 @@ class RemoteLoader:
         token: str | None = None,
         tls: bool | TLS | None = None,
     ) -> None:
+        connect.check_address(address)
         check_options(
             sharing=sharing,
             job=job,
@@ -125,7 +129,9 @@ class RemoteLoader:
         self.compression = compression_codec(compression)
         self.rank, self.world_size = membership(rank, world_size)
         self.sharing = sharing
-        self.job = job or ""
+        # The server's name for the job an empty one means, so that state_dict() says what the
+        # server's logs and metrics do.
+        self.job = job or state_module.DEFAULT_JOB
         self.address = address
         self.seed = seed
         self.device = resolve_device(device)
@@ -165,37 +171,9 @@ class RemoteLoader:
                 f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
                 f"{address!r}: the data connections go to that host"
             )
-        self._channel = open_channel(
-            address,
-            tls=self.tls,
-            token=resolve_token(token),
-            options=[
-                ("grpc.max_receive_message_length", wire.MAX_CHUNK_SIZE + wire.FRAME_OVERHEAD),
-                # Reconnect soon after a server restart, rather than after grpc's default backoff
-                # (which grows to two minutes).
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-                *wire.CLIENT_KEEPALIVE_OPTIONS,
-            ],
-        )
+        self._channel, stubs = connect.open_stubs(address, self.tls, resolve_token(token))
+        self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
         try:
-            self._describe = self._channel.unary_unary(
-                f"/{wire.SERVICE_NAME}/Describe",
-                request_serializer=pb.DescribeRequest.SerializeToString,
-                response_deserializer=pb.LoaderInfo.FromString,
-            )
-            self._list = self._channel.unary_unary(
-                f"/{wire.SERVICE_NAME}/ListLoaders",
-                request_serializer=pb.ListLoadersRequest.SerializeToString,
-                response_deserializer=pb.ListLoadersResponse.FromString,
-            )
-            # Raw bytes out: Frames are parsed by the receiver without copying their data.
-            self._stream = self._channel.unary_stream(
-                wire.STREAM_METHOD,
-                request_serializer=pb.StreamRequest.SerializeToString,
-                response_deserializer=_as_is,
-            )
             self.name = loader if loader is not None else self._only_loader(connect_timeout)
             self.info: pb.LoaderInfo = self._call(
                 self._describe,
@@ -217,30 +195,34 @@ class RemoteLoader:
     def _data_connection_failed(self) -> None:
         self._no_data_connection = True
 
-    def _wait_ready(self, timeout: float) -> bool:
-        """Waits up to `timeout` s for the channel to connect; False if it did not."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            return False
-        return True
+    def _wait_ready(self, timeout: float, stopped: Callable[[], bool]) -> bool:
+        """Waits up to `timeout` s for the server to answer; False if it did not, or if
+        `stopped()` turned true meanwhile."""
+        return connect.wait_ready(
+            lambda deadline: self._list.future(
+                pb.ListLoadersRequest(), timeout=deadline, wait_for_ready=True
+            ),
+            timeout,
+            stopped,
+        )
 
     def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
-        try:
-            return method(request, timeout=deadline, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ConnectionLostError(
-                    f"{what}: no answer from {self.address} within {deadline:g} s; "
-                    "is the server running and the address right? "
-                    + (
-                        "(this client speaks TLS: does the server, with this CA, and does it "
-                        "want a client certificate?)"
-                        if self.tls is not None
-                        else "(this client speaks plaintext: a TLS server needs tls=...)"
-                    )
-                ) from exc
-            raise map_rpc_error(exc, f"{what} at {self.address}") from exc
+        """A unary call, tried again after a refusal (NOTE [ Waiting for the server ])."""
+        hint = (
+            "(this client speaks TLS: does the server, with this CA, and does it want a client "
+            "certificate?)"
+            if self.tls is not None
+            else "(this client speaks plaintext: a TLS server needs tls=...)"
+        )
+        return connect.first_call(
+            lambda timeout: method(request, timeout=timeout, wait_for_ready=False),
+            what=what,
+            address=self.address,
+            connect_timeout=deadline,
+            retries=self.retries,
+            backoff=self.backoff,
+            hint=hint,
+        )
 
     def _only_loader(self, deadline: float) -> str:
         names = list(
@@ -317,11 +299,63 @@ class RemoteLoader:
             request.seed = self.seed
         if self._reshard is not None:
             request.reshard.CopyFrom(state_module.reshard_message(self._reshard))
-        self._iterator = EpochIterator(self, request, self._start)
+        self._iterator = EpochIterator(
+            request.epoch,
+            self._start,
+            functools.partial(self._receiver, request, self._start),
+            self.prefetch,
+            self.timeout,
+            self.__len__,
+        )
         self._iter_reshard, self._reshard = self._reshard, None
         self._epoch += 1
         self._start = 0
         return self._iterator
+
+    def _receiver(self, request: pb.StreamRequest, start: int, out: queue.Queue[Item]) -> Receiver:
+        """The thread that reads `request`'s epoch from batch `start` into `out` (not started)."""
+        what = f"loader {self.name!r} epoch {request.epoch} from {self.address}"
+
+        def open_stream(first: int, ends: StreamEnds) -> Any:
+            again = pb.StreamRequest()
+            again.CopyFrom(request)
+            again.start = first
+            ends.offer(again)
+            # Not wait_for_ready: the receiver has waited for the connection, with a deadline
+            # (NOTE [ Waiting for the server ]); this call would wait for one without any.
+            return self._stream(again, wait_for_ready=False)
+
+        transports = Transports(
+            what,
+            use_shm=self.transport == "auto",
+            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
+            tcp_host=(
+                tcp.target_host(self.address)
+                if self.transport != "grpc" and not self._no_data_connection
+                else None
+            ),
+            data_connections=self.data_connections,
+            on_tcp_failed=self._data_connection_failed,
+            slot_maps=self._slot_maps,
+            tcp_tls=self._data_tls,
+            tcp_server_name=self.tls.server_name if self.tls is not None else None,
+            tcp_required=self.transport == "tcp",
+        )
+        receiver = Receiver(
+            open_stream,
+            out,
+            transports=transports,
+            device=self.device,
+            pin=self.pin_memory,
+            what=what,
+            buffers=self._buffers,
+            start=start,
+            retries=self.retries,
+            backoff=self.backoff,
+            wait_ready=self._wait_ready,
+            connect_timeout=self.connect_timeout,
+        )
+        return receiver
 
     # --- resuming ------------------------------------------------------------------------
 
@@ -446,7 +480,3 @@ class RemoteLoader:
             f"<RemoteLoader {self.name!r} at {self.address} {self.sharing} "
             f"rank={self.rank}/{self.world_size} epoch={self._epoch} {state}>"
         )
-
-
-def _as_is(message: bytes) -> bytes:
-    return message

@@ -4,9 +4,10 @@ It reads a stream's Frames in order and has each batch copied once into (pinned)
 the transport's end that carries it (client/transports/: the gRPC messages themselves, the
 stream's shared-memory ring, or its data connection), starts the copy to the device on a side
 CUDA stream, and queues the batch for `RemoteLoader.__next__`. When the stream breaks
-(connection reset, server restart, UNAVAILABLE) it opens a new one from the next batch it has
-not received, with bounded retries and backoff: batches are neither lost nor repeated, and the
-training loop sees an error only when the retries run out.
+(connection reset, server restart, UNAVAILABLE), or the server is full (RESOURCE_EXHAUSTED from
+its max_streams), it opens a new one from the next batch it has not received, with bounded
+retries and backoff: batches are neither lost nor repeated, and the training loop sees an error
+only when the retries run out (NOTE [ Waiting for the server ] in client/connect.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import grpc
 import torch
 
 from remote_loader.client.assembly import Assembly
+from remote_loader.client.connect import DEFAULT_BACKOFF, delay
 from remote_loader.client.errors import (
     ConnectionLostError,
     DatasetError,
     ProtocolError,
     RemoteLoaderError,
+    ServerBusyError,
     map_rpc_error,
+    server_busy,
 )
 from remote_loader.client.transports import (
     BatchReused,
@@ -47,9 +51,6 @@ POLL_INTERVAL = 0.1
 # How long a stream whose batch was reused under the copy may take to end with its status (the
 # server's reason: a broadcast consumer detached) before it is resumed as merely broken.
 STATUS_WAIT = 1.0
-# Reconnecting: the first wait, and the most any one wait grows to (it doubles per attempt).
-DEFAULT_BACKOFF = 0.5
-MAX_BACKOFF = 8.0
 # A broken stream is resumed on these codes (and when it ends without its end frame). ABORTED
 # is a broadcast consumer detached for stalling: it rejoins at its position.
 RETRYABLE = frozenset(
@@ -86,6 +87,12 @@ class Finished:
 Item = Ready | Failed | Finished
 
 
+def _retryable(exc: grpc.RpcError) -> bool:
+    """Whether a new stream from the next batch may succeed where the call `exc` ended."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    return code in RETRYABLE or server_busy(exc)
+
+
 class _Broken(Exception):
     """The stream broke in a way a new stream from the next batch can repair."""
 
@@ -107,9 +114,10 @@ class Receiver(threading.Thread):
 
     Batches for the CPU are received into `buffers` when given (NOTE [ Reused buffers ]).
 
-    `wait_ready(timeout)` waits for the connection before a new stream; a stream that breaks is
-    replaced up to `retries` times in a row (a batch arriving resets the count) before the error
-    reaches the training loop.
+    `wait_ready(timeout, stopped)` waits up to `timeout` for the connection before each stream
+    (False: it did not come, or `stopped()`); no connection counts as a break. A stream that
+    breaks is replaced up to `retries` times in a row (a batch arriving resets the count) before
+    the error reaches the training loop (NOTE [ Waiting for the server ]).
     """
 
     def __init__(
@@ -125,7 +133,7 @@ class Receiver(threading.Thread):
         start: int = 0,
         retries: int = 0,
         backoff: float = DEFAULT_BACKOFF,
-        wait_ready: Callable[[float], bool] = lambda timeout: True,
+        wait_ready: Callable[[float, Callable[[], bool]], bool] = lambda timeout, stopped: True,
         connect_timeout: float = 10.0,
     ) -> None:
         super().__init__(name="remote-loader-receiver", daemon=True)
@@ -171,15 +179,11 @@ class Receiver(threading.Thread):
     def run(self) -> None:
         failures = 0  # breaks in a row, with no batch delivered between them
         while True:
-            ends = self._transports.open(self._stopped.is_set)
-            with self._lock:
-                if self._stopped.is_set():
-                    ends.close()
-                    return
-                self._call = self._open_stream(self._expected, ends)
             before = self._expected
             try:
-                final = self._receive(self._call, ends)
+                final = self._stream()
+                if final is None:
+                    return  # stopped
             except TransportUnusable as exc:
                 log.warning(
                     "%s: %s; continuing %s from batch %d",
@@ -188,11 +192,9 @@ class Receiver(threading.Thread):
                     exc.instead,
                     self._expected,
                 )
-                self._call.cancel()
                 self._transports.give_up(exc)
                 continue
             except _Broken as exc:
-                self._call.cancel()  # a broken data connection leaves the call running
                 if self._stopped.is_set():
                     return
                 # This break counts; batches since the last one reset the count.
@@ -208,10 +210,8 @@ class Receiver(threading.Thread):
                     return
                 final = Failed(map_rpc_error(exc, self._what), final=True)
             except RemoteLoaderError as exc:
-                self._call.cancel()
                 final = Failed(exc, final=True)
             except BaseException as exc:  # a bug here must reach the training loop, not vanish
-                self._call.cancel()
                 error = ProtocolError(
                     f"{self._what}: receiving failed: {type(exc).__name__}: {exc}"
                 )
@@ -220,28 +220,63 @@ class Receiver(threading.Thread):
             self._put(final)
             return
 
+    def _stream(self) -> Item | None:
+        """Opens a stream from the next batch, once connected, and reads it; None if stopped.
+
+        The call is made without wait_for_ready: waiting for the connection is wait_ready's,
+        with its deadline, since the stream itself has none (it lasts an epoch)."""
+        if not self._wait_ready(self._connect_timeout, self._stopped.is_set):
+            if self._stopped.is_set():
+                return None
+            raise _Broken(
+                ConnectionLostError(
+                    f"{self._what}: the server did not answer within connect_timeout="
+                    f"{self._connect_timeout:g} s"
+                )
+            )
+        ends = self._transports.open(self._stopped.is_set)
+        with self._lock:
+            if self._stopped.is_set():
+                ends.close()
+                return None
+            self._call = call = self._open_stream(self._expected, ends)
+        try:
+            return self._receive(call, ends)
+        except grpc.RpcError:
+            raise  # the call has ended with this status
+        except BaseException:
+            call.cancel()  # a broken data connection or ring leaves the call running
+            raise
+
     def _reconnect(self, error: RemoteLoaderError, failures: int) -> bool:
-        """Waits out the backoff and for the connection; False if stopped meanwhile."""
-        delay = min(self._backoff * 2 ** (failures - 1), MAX_BACKOFF)
+        """Waits out the backoff; False if stopped meanwhile."""
+        wait = delay(self._backoff, failures)
         log.warning(
-            "%s: stream broke (%s); resuming from batch %d in %.1f s (attempt %d of %d)",
+            "%s: stream %s (%s); resuming from batch %d in %.1f s (attempt %d of %d)",
             self._what,
+            "refused" if isinstance(error, ServerBusyError) else "broke",
             error,
             self._expected,
-            delay,
+            wait,
             failures,
             self._retries,
         )
-        if self._stopped.wait(delay):
+        if self._stopped.wait(wait):
             return False
-        # Bounded: a server that does not come back costs connect_timeout per attempt.
-        self._wait_ready(self._connect_timeout)
         self.reconnects += 1
-        return not self._stopped.is_set()
+        return True
 
     def _gave_up(self, error: RemoteLoaderError, failures: int) -> RemoteLoaderError:
         if self._retries == 0:
             return error
+        if isinstance(error, ServerBusyError):
+            busy = ServerBusyError(
+                f"{self._what}: the server stayed full through {failures} attempts in a row "
+                f"(retries={self._retries}); batches before {self._expected} were received. "
+                f"Last error: {error}"
+            )
+            busy.__cause__ = error
+            return busy
         gave_up = ConnectionLostError(
             f"{self._what}: the stream broke {failures} times in a row with no batch in between "
             f"(retries={self._retries}); batches before {self._expected} were received. "
@@ -261,8 +296,7 @@ class Receiver(threading.Thread):
         except grpc.RpcError as exc:
             if self._finished is not None:
                 return self._finished  # the end frame arrived: what breaks after it is moot
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            if code in RETRYABLE and not self._stopped.is_set():
+            if _retryable(exc) and not self._stopped.is_set():
                 raise _Broken(map_rpc_error(exc, self._what)) from exc
             raise
         except ConnectionLostError as exc:
@@ -289,8 +323,7 @@ class Receiver(threading.Thread):
             for _ in call:
                 pass
         except grpc.RpcError as status:
-            code = status.code() if isinstance(status, grpc.Call) else None
-            if code in RETRYABLE and not self._stopped.is_set():
+            if _retryable(status) and not self._stopped.is_set():
                 raise _Broken(map_rpc_error(status, self._what)) from status
             raise
 

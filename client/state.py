@@ -17,6 +17,9 @@ from typing import Any
 from remote_loader.protos import loader_pb2 as pb
 
 STATE_VERSION = 1
+# The job of a consumer that names none: the server's name for it (server/membership.py), in
+# its logs and metrics. States saved before the client said so have "" for it.
+DEFAULT_JOB = "default"
 STATE_KEYS: dict[str, type] = {
     "version": int,
     "loader": str,
@@ -87,10 +90,11 @@ def resume_point(
     state: Mapping[str, Any], sharing: str, job: str, rank: int, world_size: int
 ) -> ResumePoint:
     """Where the consumer (sharing, job, rank, world_size) resumes from `state` (checked)."""
-    if (state["sharing"], state["job"]) != (sharing, job):
+    saved = (state["sharing"], state["job"] or DEFAULT_JOB)
+    if saved != (sharing, job or DEFAULT_JOB):
         raise ValueError(
-            f"the state is of another consumer: (sharing, job) = "
-            f"{(state['sharing'], state['job'])}, this RemoteLoader is {(sharing, job)}"
+            f"the state is of another consumer: (sharing, job) = {saved}, this RemoteLoader "
+            f"is {(sharing, job)}"
         )
     consumed: list[int] | None = state.get("consumed")
     old_world = state["world_size"]
@@ -129,6 +133,8 @@ def job_state(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError("job_state needs the states of every rank of the job, got none")
     for state in states:
         check(state)
+    # A state saved with job "" names the default job, as newer ones say.
+    states = [{**state, "job": state["job"] or DEFAULT_JOB} for state in states]
     first = states[0]
     shared = ("loader", "fingerprint", "seed", "epoch", "sharing", "job", "world_size")
     for state in states[1:]:
