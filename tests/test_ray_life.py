@@ -1,0 +1,202 @@
+"""The Ray pool's faults and lifecycle: a bridge that ends with its server, addresses that are no
+Ray, a cluster without CPUs or gone, capacity lost mid-epoch, the actors' sys.path and the pool
+kept between epochs. Real clusters on 127.0.0.1 (tests/test_ray.py), real listeners, real kills.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from remote_loader.client import RemoteLoader, RemoteLoaderError
+from remote_loader.server.demo import serve_command
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
+from remote_loader.server.spec import LoaderSpec
+from tests.conftest import process_alive, subprocess_env, wait_until
+from tests.test_ray import LOOPBACK, start_cluster
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below `pid`, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+@pytest.fixture
+def not_ray() -> Iterator[str]:
+    """A loopback gRPC server with no services: it completes gRPC's handshake, so only
+    ray.init itself finds that no Ray answers (it would retry for minutes)."""
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    server.start()
+    yield f"{LOOPBACK}:{port}"
+    server.stop(0)
+
+
+def listener(answer: bytes | None) -> tuple[socket.socket, str]:
+    """A loopback socket that accepts and says nothing (None) or `answer`."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            held.append(conn)  # kept open: the peer sees silence, not a close
+            if answer is not None:
+                conn.sendall(answer)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return sock, f"{LOOPBACK}:{sock.getsockname()[1]}"
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_server_leaves_no_bridge_behind_while_it_connects(not_ray: str) -> None:
+    proc = subprocess.Popen(
+        [
+            *serve_command(["--dataset", "tests.datasets:Squares", "--num-workers", "1"]),
+            *["--pool", "ray", "--ray-address", not_ray, "--log-level", "WARNING"],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        port = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        before = descendants(proc.pid)  # the fork server and its resource tracker
+        # Not persistent: the first stream starts the pool, whose bridge then connects.
+        threading.Thread(target=_stream_until_it_fails, args=(port,), daemon=True).start()
+        assert wait_until(lambda: bool(descendants(proc.pid) - before), 60)
+        time.sleep(2.0)  # in ray.init now (the probe passes: gRPC answers)
+        family = descendants(proc.pid)
+        assert family - before
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        left = lambda: {pid for pid in family if process_alive(pid)}  # noqa: E731
+        assert wait_until(lambda: not left(), 10), f"still running: {_cmdlines(left())}"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _stream_until_it_fails(port: str) -> None:
+    try:
+        with RemoteLoader(f"{LOOPBACK}:{port}", retries=0) as loader:
+            list(loader)
+    except RemoteLoaderError:
+        pass  # the server was killed
+
+
+def _cmdlines(pids: set[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            line = f.read().replace(b"\0", b" ")[:120]
+        out.append(f"{pid}: {line!r}")
+    return out
+
+
+def _first_error(ray_address: str, spec: LoaderSpec) -> tuple[str, float]:
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
+    started = time.monotonic()
+    with (
+        Server(settings, [spec]) as server,
+        RemoteLoader(server.address, retries=0) as loader,
+        pytest.raises(RemoteLoaderError) as info,
+    ):
+        list(loader)
+    return str(info.value), time.monotonic() - started
+
+
+def ray_spec(**extra: Any) -> LoaderSpec:
+    options: dict[str, Any] = {"name": "r", "dataset": "tests.datasets:Squares", "num_workers": 1}
+    return LoaderSpec(pool="ray", ray_num_cpus=0.25, **{**options, **extra})
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_a_listener_that_is_not_ray_is_a_clear_error(answer: bytes | None) -> None:
+    sock, address = listener(answer)
+    with sock:
+        message, took = _first_error(address, ray_spec())
+    assert f"cannot use the Ray cluster at {address}" in message
+    assert "does not answer as a Ray cluster" in message and "ray_address" in message
+    assert took < 60, took  # an error, not the 160 s it took (within PROBE_TIMEOUT here)
+
+
+@pytest.mark.timeout(90)
+def test_a_grpc_server_that_is_not_ray_is_a_clear_error(not_ray: str) -> None:
+    message, took = _first_error(not_ray, ray_spec())
+    assert f"cannot use the Ray cluster at {not_ray}" in message
+    assert "no Ray cluster answered ray.init within" in message and "ray_address" in message
+    assert took < 75, took
+
+
+@pytest.mark.timeout(150)
+def test_a_cluster_without_free_cpus_says_what_is_missing() -> None:
+    cluster = start_cluster(0)  # a head without CPUs, and no node
+    try:
+        message, took = _first_error(cluster.address, ray_spec(num_workers=2, ray_num_cpus=1))
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+    assert "num_workers=2 x ray_num_cpus=1 = 2 CPUs asked, 0 free of 0" in message
+    assert took < 90, took
+
+
+@pytest.mark.timeout(180)
+def test_a_cluster_that_goes_away_is_found_in_seconds() -> None:
+    lost = start_cluster(1)
+    spec = ray_spec(
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 400, "seconds": 0.05},
+        batch_size=1,
+        ray_num_cpus=0.5,
+    )
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=lost.address)
+    with Server(settings, [spec]) as server, RemoteLoader(server.address, retries=0) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        lost.shutdown()  # type: ignore[no-untyped-call]
+        gone = time.monotonic()
+        with pytest.raises(RemoteLoaderError) as info:
+            list(it)
+        took = time.monotonic() - gone
+    assert "Ray driver process exited" in str(info.value)
+    # Ray's default, 60 s of reconnecting, is what this bounds (GCS_RECONNECT_TIMEOUT = 5 s).
+    assert took < 40, took
