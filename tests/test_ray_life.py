@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ray.cluster_utils import Cluster
 
 from remote_loader.client import RemoteLoader, RemoteLoaderError
 from remote_loader.server.demo import serve_command
@@ -24,7 +25,7 @@ from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import process_alive, subprocess_env, wait_until
-from tests.test_ray import LOOPBACK, start_cluster
+from tests.test_ray import LOOPBACK, NODE, start_cluster
 
 
 def descendants(pid: int) -> set[int]:
@@ -144,8 +145,14 @@ def _first_error(ray_address: str, spec: LoaderSpec) -> tuple[str, float]:
 
 
 def ray_spec(**extra: Any) -> LoaderSpec:
-    options: dict[str, Any] = {"name": "r", "dataset": "tests.datasets:Squares", "num_workers": 1}
-    return LoaderSpec(pool="ray", ray_num_cpus=0.25, **{**options, **extra})
+    options: dict[str, Any] = {
+        "name": "r",
+        "dataset": "tests.datasets:Squares",
+        "num_workers": 1,
+        "pool": "ray",
+        "ray_num_cpus": 0.25,
+    }
+    return LoaderSpec(**{**options, **extra})
 
 
 @pytest.mark.timeout(90)
@@ -156,6 +163,7 @@ def test_a_listener_that_is_not_ray_is_a_clear_error(answer: bytes | None) -> No
         message, took = _first_error(address, ray_spec())
     assert f"cannot use the Ray cluster at {address}" in message
     assert "does not answer as a Ray cluster" in message and "ray_address" in message
+    print(f"not Ray ({answer!r}): error after {took:.1f} s")
     assert took < 60, took  # an error, not the 160 s it took (within PROBE_TIMEOUT here)
 
 
@@ -164,6 +172,7 @@ def test_a_grpc_server_that_is_not_ray_is_a_clear_error(not_ray: str) -> None:
     message, took = _first_error(not_ray, ray_spec())
     assert f"cannot use the Ray cluster at {not_ray}" in message
     assert "no Ray cluster answered ray.init within" in message and "ray_address" in message
+    print(f"a gRPC server, not Ray: error after {took:.1f} s")
     assert took < 75, took
 
 
@@ -175,6 +184,7 @@ def test_a_cluster_without_free_cpus_says_what_is_missing() -> None:
     finally:
         cluster.shutdown()  # type: ignore[no-untyped-call]
     assert "num_workers=2 x ray_num_cpus=1 = 2 CPUs asked, 0 free of 0" in message
+    print(f"no free CPUs: error after {took:.1f} s")
     assert took < 90, took
 
 
@@ -197,6 +207,55 @@ def test_a_cluster_that_goes_away_is_found_in_seconds() -> None:
         with pytest.raises(RemoteLoaderError) as info:
             list(it)
         took = time.monotonic() - gone
+    print(f"cluster gone: error {took:.1f} s after it was shut down")
     assert "Ray driver process exited" in str(info.value)
     # Ray's default, 60 s of reconnecting, is what this bounds (GCS_RECONNECT_TIMEOUT = 5 s).
     assert took < 40, took
+
+
+@pytest.mark.timeout(300)
+def test_capacity_lost_mid_epoch_keeps_the_epoch_and_grows_back() -> None:
+    # Two nodes of one CPU beside a head without CPUs (the bridge's node), one actor each: no
+    # spare CPU anywhere, so the actor of the removed node cannot be replaced until one joins.
+    cluster = start_cluster(0)
+    try:
+        _capacity_lost(cluster)
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+def _capacity_lost(cluster: Cluster) -> None:
+    cluster.add_node(**{**NODE, "num_cpus": 1})
+    doomed = cluster.add_node(**{**NODE, "num_cpus": 1})
+    cluster.wait_for_nodes()
+    spec = ray_spec(
+        name="slow",
+        dataset="tests.datasets:Slow",
+        dataset_kwargs={"n": 30, "seconds": 0.05},
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+        ray_num_cpus=1,
+    )
+    expected = list(range(30))  # torch's DataLoader order (tests/test_parity.py's reference)
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
+        host = server.hosts["slow"]
+        pool = host._persistent
+        assert pool is not None and host.pool_info["nodes"] == 2
+        gauge = host.metrics._pool_workers.labels("slow", "ray")
+        got = []
+        for i, batch in enumerate(loader):
+            got.append(int(batch))
+            if i == 5:
+                cluster.remove_node(doomed)
+        assert got == expected  # every batch once, in order, though a worker was lost
+        assert gauge._value.get() == 1  # the shortfall shows
+        assert pool._short  # type: ignore[attr-defined]
+        cluster.add_node(**{**NODE, "num_cpus": 1})  # CPUs return
+        for _ in range(10):  # the replacement starts while an epoch polls the bridge
+            assert [int(b) for b in loader] == expected
+            if not pool._short:  # type: ignore[attr-defined]
+                break
+        assert not pool._short  # type: ignore[attr-defined]
+        assert gauge._value.get() == 2
