@@ -6,13 +6,16 @@ kept between epochs. Real clusters on 127.0.0.1 (tests/test_ray.py), real listen
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,8 +26,14 @@ from remote_loader.client import RemoteLoader, RemoteLoaderError
 from remote_loader.server.demo import serve_command
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
-from tests.conftest import process_alive, subprocess_env, wait_until
+from remote_loader.server.spec import ConfigError, LoaderSpec, resolve, spec_from_table
+from tests.conftest import (
+    process_alive,
+    serve_process,
+    stop_process,
+    subprocess_env,
+    wait_until,
+)
 from tests.test_ray import LOOPBACK, NODE, start_cluster
 
 
@@ -259,3 +268,111 @@ def _capacity_lost(cluster: Cluster) -> None:
                 break
         assert not pool._short  # type: ignore[attr-defined]
         assert gauge._value.get() == 2
+
+
+@pytest.mark.timeout(240)
+def test_a_local_ray_pool_starts_once_per_loader_and_warns_of_nothing() -> None:
+    # Not persistent, no ray_address: each epoch used to start a bridge and a local Ray
+    # instance (seconds each), and Ray warned "Token authentication is enabled" every time.
+    proc, address = serve_process(
+        *["--dataset", "tests.datasets:Squares", "--dataset-kwargs", '{"n": 6}'],
+        *["--num-workers", "1", "--pool", "ray", "--ray-num-cpus", "0.25"],
+    )
+    try:
+        bridges = []
+        for epoch in range(3):
+            with RemoteLoader(address, retries=0) as loader:
+                loader.set_epoch(epoch)
+                assert len(list(loader)) == 6
+            bridges.append(_bridge_of(proc.pid))
+    finally:
+        code, err = stop_process(proc)
+    assert len(set(bridges)) == 1, bridges  # one bridge served every epoch
+    assert code == 0, err
+    assert "Token authentication is enabled" not in err, err
+
+
+def _bridge_of(server: int) -> int:
+    """The pid of the server's bridge: the child of its fork server that runs ray."""
+    for pid in descendants(server):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            if "_raylet" in f.read():
+                return pid
+    raise AssertionError("no process of the server has Ray loaded")
+
+
+@pytest.mark.timeout(240)
+def test_actors_import_what_the_server_imports_not_its_cwd(tmp_path: Path) -> None:
+    # Started from a folder holding another `tests` package (without `datasets.Squares`):
+    # Ray put the driver's working directory on the actors' sys.path, so they imported it.
+    decoy = tmp_path / "tests"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("")
+    (decoy / "datasets.py").write_text("NOT_THE_ONE = True\n")
+    cluster = start_cluster(1)
+    try:
+        # The console script, as a user runs it: the server's own sys.path has no cwd.
+        script = os.path.join(os.path.dirname(sys.executable), "remote-loader")
+        proc = subprocess.Popen(
+            [
+                *[script, "serve", "--address", f"{LOOPBACK}:0"],
+                *["--dataset", "tests.datasets:Squares", "--dataset-kwargs", '{"n": 4}'],
+                *["--num-workers", "1", "--pool", "ray", "--ray-num-cpus", "0.25"],
+                *["--ray-address", cluster.address, "--log-level", "WARNING"],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=subprocess_env(),
+        )
+        assert proc.stdout is not None
+        port = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        try:
+            with RemoteLoader(f"{LOOPBACK}:{port}", retries=0) as loader:
+                assert len(list(loader)) == 4
+        finally:
+            proc.stdout.close()
+            stop_process(proc)
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+def test_a_missing_attribute_names_the_file_imported() -> None:
+    with pytest.raises(ConfigError, match=r"the module imported is .*tests/datasets\.py"):
+        resolve("tests.datasets:NoSuchThing", "dataset")
+
+
+def test_ray_runtime_env_is_checked() -> None:
+    base: dict[str, Any] = {"name": "x", "dataset": "tests.datasets:Squares", "num_workers": 1}
+    with pytest.raises(ConfigError, match="unknown key 'conda'; allowed: working_dir"):
+        LoaderSpec(pool="ray", ray_runtime_env={"conda": "env"}, **base)
+    with pytest.raises(ConfigError, match=r"env_vars must be environment variables"):
+        LoaderSpec(pool="ray", ray_runtime_env={"env_vars": {"A": 1}}, **base)
+    with pytest.raises(ConfigError, match='ray_runtime_env is for pool = "ray"'):
+        LoaderSpec(ray_runtime_env={"working_dir": "."}, **base)
+    with pytest.raises(ConfigError, match="must be a table"):
+        spec_from_table("x", {"dataset": "tests.datasets:Squares", "ray_runtime_env": "."})
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_module_only_in_ray_runtime_env_working_dir(tmp_path: Path) -> None:
+    (tmp_path / "rl_life_wd_data.py").write_text(
+        "import os\n\n\ndef numbers(n):\n"
+        "    return [i * 10 + int(os.environ.get('RL_LIFE_MARK', 0)) for i in range(n)]\n"
+    )
+    spec = ray_spec(
+        dataset="rl_life_wd_data:numbers",
+        dataset_kwargs={"n": 5},
+        batch_size=None,
+        ray_runtime_env={"working_dir": str(tmp_path), "env_vars": {"RL_LIFE_MARK": "7"}},
+    )
+    cluster = start_cluster(1)
+    try:
+        settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+        with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
+            # Made by the actors, in the runtime_env (its env_vars: the 7s).
+            assert [int(b) for b in loader] == [7, 17, 27, 37, 47]
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+        sys.path[:] = [p for p in sys.path if p != str(tmp_path)]
