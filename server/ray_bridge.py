@@ -17,7 +17,10 @@ Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
   bridge -> server  Started(nodes, actors) once connected, or Failed(message) and exit;
                     then a Result (server/worker.py) per task, Lost(worker_id, reason) when
                     an actor died and was replaced (its tasks are the server's to re-issue),
-                    and Ready(worker_id) once that replacement has started.
+                    Shortfall(worker_id, message) when that replacement has not started
+                    within REPLACE_PATIENCE (NOTE [ Ray capacity lost ] in ray_pool.py), and
+                    Ready(worker_id) once it has started.
+How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
 A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a

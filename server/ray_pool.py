@@ -21,6 +21,16 @@ id, size) in the Frame, as it sends ring offsets for shared memory today, and a 
 server beside each Ray worker node (or Ray's own object transfer, with the trainer as a Ray
 client) would serve the bytes; ordering, exactly-once and resume stay the coordinator's, since
 they are decided by positions, never by the bytes.
+
+NOTE [ Ray pool reuse ]
+
+Starting a Ray pool (a bridge process, ray.init, placing and building actors) takes seconds,
+so a loader without persistent_workers keeps its pool between Runs (the host's spare, at most
+one; server/host.py) rather than start one per epoch as torch starts worker processes. What
+torch's fresh workers of an epoch have, each epoch's Begin(fresh=True) gives the actors: the
+dataset built again from its factory, worker_init_fn run again, RNGs reseeded, worker_info
+set. What persists is the actor's process: its imported modules and their module-level state.
+A pool whose bridge died (`broken`) is not kept.
 """
 
 from __future__ import annotations
@@ -75,8 +85,7 @@ class RayPool(Tuned):
     """A loader's workers as Ray actors. See NOTE [ Ray bridge ] and NOTE [ Ray data path ]."""
 
     backend = "ray"
-    # NOTE [ Ray pool reuse ]: a loader without persistent_workers keeps its pool between
-    # epochs (server/host.py), each epoch beginning with `fresh` actors' state.
+    # See NOTE [ Ray pool reuse ]: kept between epochs, each beginning with `fresh` actors.
     reusable = True
 
     def __init__(

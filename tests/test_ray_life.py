@@ -115,13 +115,18 @@ def test_a_killed_server_leaves_no_bridge_behind_while_it_connects(not_ray: str)
         assert family - before
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        left = lambda: {pid for pid in family if process_alive(pid)}  # noqa: E731
-        assert wait_until(lambda: not left(), 10), f"still running: {_cmdlines(left())}"
+        assert wait_until(lambda: not _alive(family), 10), (
+            f"still running: {_cmdlines(_alive(family))}"
+        )
     finally:
         proc.kill()
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if process_alive(pid)}
 
 
 def _stream_until_it_fails(port: str) -> None:
