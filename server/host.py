@@ -201,9 +201,6 @@ class LoaderHost:
         self.pool_info: dict[str, int | str] = {}
         self._persistent: Pool | None = None
         self._persistent_job: str | None = None  # the job whose Run holds it, None when free
-        # A reusable pool (NOTE [ Ray pool reuse ] in server/ray_pool.py) kept between Runs of
-        # a loader without persistent_workers: at most one, the last one given back.
-        self._spare: Pool | None = None
         self._closed = False
         self.runs = Runs(
             spec,
@@ -316,14 +313,11 @@ class LoaderHost:
             return
         pool = self._take_persistent(job, give_up)
         if pool is None:
-            with self._cond:
-                pool, self._spare = self._spare, None
-            if pool is None:
-                pool = self._new_pool()
+            pool = self._new_pool()
             try:
                 yield pool
             finally:
-                self._keep_or_stop(pool)
+                pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
             return
         try:
             yield pool
@@ -349,15 +343,6 @@ class LoaderHost:
                 if give_up():
                     raise LeaseAbandoned(job)
                 self._cond.wait(min(remaining, POLL_INTERVAL))
-
-    def _keep_or_stop(self, pool: Pool) -> None:
-        """A pool of one Run, given back: kept as the spare when its backend is reusable."""
-        with self._cond:
-            reusable = getattr(pool, "reusable", False) and not pool.broken
-            if reusable and not self._closed and self._spare is None:
-                self._spare = pool
-                return
-        pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
 
     def _give_back(self, pool: Pool) -> None:
         with self._cond:
@@ -386,8 +371,6 @@ class LoaderHost:
             self._cond.notify_all()
         self.runs.close()
         with self._cond:
-            pools = [self._persistent, self._spare]
-            self._persistent = self._spare = None
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
+            pool, self._persistent = self._persistent, None
+        if pool is not None:
+            pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py

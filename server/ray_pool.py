@@ -24,13 +24,12 @@ they are decided by positions, never by the bytes.
 
 NOTE [ Ray pool reuse ]
 
-Starting a Ray pool (a bridge process, ray.init, placing and building actors) takes seconds,
-so a loader without persistent_workers keeps its pool between Runs (the host's spare, at most
-one; server/host.py) rather than start one per epoch as torch starts worker processes. What
-torch's fresh workers of an epoch have, each epoch's Begin(fresh=True) gives the actors: the
-dataset built again from its factory, worker_init_fn run again, RNGs reseeded, worker_info
-set. What persists is the actor's process: its imported modules and their module-level state.
-A pool whose bridge died (`broken`) is not kept.
+Not done yet, and why: keeping a non-persistent loader's pool (bridge and actors) between
+epochs holds its actors' CPUs of the cluster while no epoch runs, and other loaders' pools
+then cannot be placed (measured: tests/test_ray.py's loaders on a 2-CPU cluster). The way is
+to keep the bridge and its connection but release the actors after a Run and place new ones
+(capacity checked) at the next; Begin(fresh=True) already gives an actor torch's per-epoch
+worker state (dataset rebuilt, worker_init_fn again) for when a pool is kept.
 """
 
 from __future__ import annotations
@@ -85,8 +84,6 @@ class RayPool(Tuned):
     """A loader's workers as Ray actors. See NOTE [ Ray bridge ] and NOTE [ Ray data path ]."""
 
     backend = "ray"
-    # See NOTE [ Ray pool reuse ]: kept between epochs, each beginning with `fresh` actors.
-    reusable = True
 
     def __init__(
         self,
@@ -245,7 +242,7 @@ class RayPool(Tuned):
             raise self._bridge_gone() from exc
 
     def _bridge_gone(self) -> WorkerDiedError:
-        self.broken = True  # replaced, not reused (NOTE [ Ray pool reuse ])
+        self.broken = True  # a persistent pool is replaced (server/host.py)
         code = None if self._bridge is None else self._bridge.exitcode
         return WorkerDiedError(
             f"the loader's Ray driver process exited (code {code}): {self.where} is unreachable "

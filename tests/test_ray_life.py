@@ -6,7 +6,6 @@ kept between epochs. Real clusters on 127.0.0.1 (tests/test_ray.py), real listen
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import signal
 import socket
@@ -276,34 +275,22 @@ def _capacity_lost(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_local_ray_pool_starts_once_per_loader_and_warns_of_nothing() -> None:
-    # Not persistent, no ray_address: each epoch used to start a bridge and a local Ray
-    # instance (seconds each), and Ray warned "Token authentication is enabled" every time.
+def test_a_local_ray_instance_does_not_warn_of_token_authentication() -> None:
+    # Without ray_address nor persistent_workers, each epoch starts a local Ray instance, and
+    # Ray warned "Token authentication is enabled" at every start.
     proc, address = serve_process(
         *["--dataset", "tests.datasets:Squares", "--dataset-kwargs", '{"n": 6}'],
         *["--num-workers", "1", "--pool", "ray", "--ray-num-cpus", "0.25"],
     )
     try:
-        bridges = []
-        for epoch in range(3):
+        for epoch in range(2):
             with RemoteLoader(address, retries=0) as loader:
                 loader.set_epoch(epoch)
                 assert len(list(loader)) == 6
-            bridges.append(_bridge_of(proc.pid))
     finally:
         code, err = stop_process(proc)
-    assert len(set(bridges)) == 1, bridges  # one bridge served every epoch
     assert code == 0, err
     assert "Token authentication is enabled" not in err, err
-
-
-def _bridge_of(server: int) -> int:
-    """The pid of the server's bridge: the child of its fork server that runs ray."""
-    for pid in descendants(server):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
-            if "_raylet" in f.read():
-                return pid
-    raise AssertionError("no process of the server has Ray loaded")
 
 
 @pytest.mark.timeout(240)
