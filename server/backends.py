@@ -14,6 +14,8 @@ module and a line in `make_pool`.
 from __future__ import annotations
 
 import multiprocessing.context
+import os
+import sys
 from typing import Protocol
 
 from remote_loader.server.engine import Engine
@@ -71,6 +73,13 @@ def require_backend(spec: LoaderSpec) -> None:
     imported here: at start-up, since a pool that is not persistent is first made by a stream."""
     if spec.pool != "ray":
         return
+    # The loader's code in its Ray working_dir (a local folder): the server plans the epochs
+    # with the same dataset the actors build, so it imports from there too.
+    working_dir = (spec.ray_runtime_env or {}).get("working_dir")
+    if isinstance(working_dir, str) and os.path.isdir(working_dir):
+        path = os.path.abspath(working_dir)
+        if path not in sys.path:
+            sys.path.insert(0, path)
     try:
         import ray  # noqa: F401  (only to say what is missing, before a bridge starts)
     except ImportError as exc:

@@ -68,10 +68,15 @@ class RayWorker:
         self.fetcher: Fetcher | None = None
         self.initialized = False
         self.epoch_key = -1
+        self.epochs = 0  # begun by this actor
         self.compressor: Compressor | None = None
+        self.build()
+
+    def build(self) -> None:
+        """The dataset from its factory and the collate_fn, as a new worker process has them."""
         try:
-            self.dataset = build_dataset(spec)
-            self.collate_fn = batching.collate_fn(spec)
+            self.dataset = build_dataset(self.spec)
+            self.collate_fn = self.batching.collate_fn(self.spec)
         except Exception as exc:
             self.init_error = RemoteError.capture(self.where, exc)
 
@@ -81,10 +86,18 @@ class RayWorker:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def begin_epoch(self, epoch_key: int, base_seed: int, compression: str = "") -> None:
-        """Reseeds and restarts iteration, as a worker process does on EpochStart."""
+    def begin_epoch(
+        self, epoch_key: int, base_seed: int, compression: str = "", fresh: bool = False
+    ) -> None:
+        """Reseeds and restarts iteration, as a worker process does on EpochStart; `fresh`:
+        with a new dataset and worker_init_fn run again, as torch's new worker processes of
+        an epoch without persistent_workers (NOTE [ Ray pool reuse ] in server/ray_pool.py)."""
         self.epoch_key = epoch_key
         self.compressor = compressor_for(compression, self.compressor)
+        if fresh and self.epochs > 0:
+            self.initialized, self.init_error = False, None
+            self.build()
+        self.epochs += 1
         if self.init_error is not None:
             return
         seed = seed_rngs(base_seed, self.worker_id)

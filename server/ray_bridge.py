@@ -17,7 +17,10 @@ Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
   bridge -> server  Started(nodes, actors) once connected, or Failed(message) and exit;
                     then a Result (server/worker.py) per task, Lost(worker_id, reason) when
                     an actor died and was replaced (its tasks are the server's to re-issue),
-                    and Ready(worker_id) once that replacement has started.
+                    Shortfall(worker_id, message) when that replacement has not started
+                    within REPLACE_PATIENCE (NOTE [ Ray capacity lost ] in ray_pool.py), and
+                    Ready(worker_id) once it has started.
+How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
 A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
@@ -32,19 +35,28 @@ import functools
 import os
 import queue
 import signal
-import socket
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 from remote_loader.server.collating import WorkerSlots
 from remote_loader.server.ray_actor import BATCH, ERROR, EXHAUSTED, FATAL, RayWorker
+from remote_loader.server.ray_connect import (
+    capacity,
+    connect,
+    die_with_parent,
+    wait_for_capacity,
+    watch_server,
+)
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import RemoteError, Result, Task
 
 # How long the bridge waits for its actors to be placed and built before it gives up.
 ACTOR_START_TIMEOUT = 120.0
+# How long a replacement actor may take to start before the bridge tells the server it is
+# short of it (Shortfall), so that its tasks go to the actors that remain.
+REPLACE_PATIENCE = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +74,13 @@ class Begin:
     epoch_key: int
     base_seed: int
     compression: str = ""
+    # The dataset and worker_init_fn afresh, as torch's new worker processes of an epoch
+    # without persistent_workers (NOTE [ Ray pool reuse ] in server/ray_pool.py).
+    fresh: bool = False
 
-    def args(self) -> tuple[int, int, str]:
+    def args(self) -> tuple[int, int, str, bool]:
         """RayWorker.begin_epoch's arguments."""
-        return (self.epoch_key, self.base_seed, self.compression)
+        return (self.epoch_key, self.base_seed, self.compression, self.fresh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,56 +127,28 @@ class Ready:
     worker_id: int
 
 
-# In the bridge's queue of finished calls, in place of a Task: a replacement's start-up.
+@dataclasses.dataclass(frozen=True)
+class Shortfall:
+    """A replacement actor has not started within REPLACE_PATIENCE (`message`: the CPUs it
+    asks and those free): the server gives its tasks to the other actors until it is Ready."""
+
+    worker_id: int
+    message: str
+
+
+# In the bridge's queue of finished calls, in place of a Task: a replacement's start-up, and
+# REPLACE_PATIENCE passed since one was asked.
 _STARTED = "started"
-
-
-# How long the bridge tries to open a TCP connection to ray_address before calling ray.init,
-# which, when nothing answers there, retries for minutes.
-PROBE_TIMEOUT = 5.0
-
-
-def probe(address: str) -> None:
-    """Raises ConnectionError, saying so, when nothing accepts connections at HOST:PORT."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return  # "auto", or a form ray.init understands and we do not: let it say
-    try:
-        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
-    except OSError as exc:
-        raise ConnectionError(
-            f"nothing accepts connections at {address} ({exc.strerror or exc}); is the Ray "
-            "head running (`ray start --head`) and is this its GCS address?"
-        ) from None
-
-
-def connect(address: str | None) -> None:
-    """ray.init for the bridge: the cluster at `address`, or a local instance."""
-    if address is not None:
-        probe(address)
-    import ray
-
-    options: dict[str, Any] = {
-        "logging_level": "WARNING",
-        "log_to_driver": False,
-        "include_dashboard": False,
-        "configure_logging": False,
-    }
-    if address is None:
-        # A new local instance ("local": not a cluster that happens to run on this host),
-        # this host's CPUs, on loopback only.
-        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
-    else:
-        options.pop("include_dashboard")
-        ray.init(address=address, **options)
+_OVERDUE = "overdue"
 
 
 class _Bridge:
-    def __init__(self, cfg: BridgeConfig) -> None:
+    def __init__(self, cfg: BridgeConfig, inbox: queue.SimpleQueue[Any]) -> None:
         import ray
 
         self.ray = ray
         self.cfg = cfg
+        self.inbox = inbox  # the server's commands, from the watcher (server/ray_connect.py)
         spec = cfg.spec
         self.actor_class = ray.remote(RayWorker).options(
             num_cpus=spec.ray_num_cpus,
@@ -171,6 +158,8 @@ class _Bridge:
         )
         self.actors: list[Any] = []
         self.generations: list[int] = []
+        # Replacements asked and not yet started: (worker id, generation).
+        self.starting: set[tuple[int, int]] = set()
         self.slots = WorkerSlots()
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
@@ -221,17 +210,34 @@ class _Bridge:
         # Under the lock: a task for the new actor must not be submitted before its epoch.
         with self.lock:
             self.generations[worker_id] += 1
-            actor = self.actors[worker_id] = self.new_actor(worker_id)
+            actor = self.actors[worker_id] = self.new_actor(worker_id, len(self.actors))
             if self.epoch is not None:
                 started = actor.begin_epoch.remote(*self.epoch.args())
             else:
                 started = actor.node.remote()
             generation = self.generations[worker_id]
+            self.starting.add((worker_id, generation))
             # Placing an actor and starting its process takes seconds: the server's `timeout`
             # for its tasks counts from when it is ready (Ready), not from the death.
             started.future().add_done_callback(
                 lambda f: self.done.put((worker_id, generation, _STARTED, f))
             )
+            patience = threading.Timer(
+                REPLACE_PATIENCE,
+                lambda: self.done.put((worker_id, generation, _OVERDUE, Future())),
+            )
+            patience.daemon = True
+            patience.start()
+
+    def shortfall(self, worker_id: int) -> Shortfall:
+        free, total = capacity(self.ray)
+        cpus = self.cfg.spec.ray_num_cpus
+        return Shortfall(
+            worker_id,
+            f"Ray worker {worker_id}'s replacement has not started within "
+            f"{REPLACE_PATIENCE:g} s (it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of "
+            f"{total:g} in the cluster): the other workers take its tasks until it starts",
+        )
 
     def current(self, worker_id: int, generation: int) -> bool:
         """The call was made on the actor that now holds this worker id."""
@@ -280,12 +286,9 @@ class _Bridge:
         )
 
     def read_commands(self) -> None:
-        """The command thread: submits tasks as they come; ends on None or EOF."""
+        """The command thread: submits the server's tasks as they come; ends on None."""
         while True:
-            try:
-                command = self.cfg.commands.recv()
-            except (EOFError, OSError):
-                command = None
+            command = self.inbox.get()
             if command is None:
                 self.done.put((-1, -1, None, Future()))  # wakes the main loop to stop
                 return
@@ -307,7 +310,12 @@ class _Bridge:
             worker_id, generation, task, future = self.done.get()
             if task is None:
                 return
+            if task == _OVERDUE:
+                if (worker_id, generation) in self.starting:
+                    self.cfg.results.send(self.shortfall(worker_id))
+                continue
             if isinstance(task, str):  # _STARTED
+                self.starting.discard((worker_id, generation))
                 if self.current(worker_id, generation) and future.exception() is None:
                     self.cfg.results.send(Ready(worker_id))
                 continue  # a replacement that failed to start shows in its first task
@@ -318,16 +326,35 @@ class _Bridge:
 
 
 def bridge_main(cfg: BridgeConfig) -> None:
-    """Entry point of the bridge process."""
+    """Entry point of the bridge process. See NOTE [ Ray bridge lifecycle ] in
+    server/ray_connect.py for how it ends with the server."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's, which stops us
+    die_with_parent()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    connected = threading.Event()
+    threading.Thread(
+        target=watch_server,
+        args=(cfg.commands, connected, inbox.put),
+        name="rl-ray-watch",
+        daemon=True,
+    ).start()
     try:
-        connect(cfg.address)
-        bridge = _Bridge(cfg)
+        spec = cfg.spec
+        code = [spec.dataset, spec.sampler, spec.batch_sampler, spec.collate_fn]
+        connect(
+            cfg.address,
+            spec.ray_runtime_env,
+            [p for p in (*code, spec.worker_init_fn) if p],
+            lambda why: cfg.results.send(Failed(why)),
+        )
+        bridge = _Bridge(cfg, inbox)
+        wait_for_capacity(bridge.ray, cfg.spec.num_workers, cfg.spec.ray_num_cpus)
         started = bridge.start()
     except Exception as exc:
         cfg.results.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
+    connected.set()
     cfg.results.send(started)
     with contextlib.suppress(BrokenPipeError, OSError):  # the server is gone
         bridge.serve()

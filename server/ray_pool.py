@@ -21,6 +21,15 @@ id, size) in the Frame, as it sends ring offsets for shared memory today, and a 
 server beside each Ray worker node (or Ray's own object transfer, with the trainer as a Ray
 client) would serve the bytes; ordering, exactly-once and resume stay the coordinator's, since
 they are decided by positions, never by the bytes.
+
+NOTE [ Ray pool reuse ]
+
+Not done yet, and why: keeping a non-persistent loader's pool (bridge and actors) between
+epochs holds its actors' CPUs of the cluster while no epoch runs, and other loaders' pools
+then cannot be placed (measured: tests/test_ray.py's loaders on a 2-CPU cluster). The way is
+to keep the bridge and its connection but release the actors after a Run and place new ones
+(capacity checked) at the next; Begin(fresh=True) already gives an actor torch's per-epoch
+worker state (dataset rebuilt, worker_init_fn again) for when a pool is kept.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from remote_loader.server.ray_bridge import (
     Ready,
     Resize,
     Send,
+    Shortfall,
     Started,
     bridge_main,
 )
@@ -114,6 +124,8 @@ class RayPool(Tuned):
         self._active: list[bool] = []
         # Workers replaced and not yet Ready: `timeout` does not count for them yet.
         self._starting: set[int] = set()
+        # Workers whose replacement cannot start (Shortfall), until Ready: they get no tasks.
+        self._short: set[int] = set()
         self._turn = 0
         self._closed = False
 
@@ -192,20 +204,31 @@ class RayPool(Tuned):
         if self._closed:
             raise RuntimeError("this Ray pool has been shut down")
         self._key = next(self._epoch_keys)
-        self._command(Begin(self._key, base_seed, compression))
+        fresh = not self.spec.persistent_workers
+        self._command(Begin(self._key, base_seed, compression, fresh))
         self._active = [True] * self.num_workers  # a drained last actor may serve again
-        self.max_outstanding = max(1, self.prefetch * self.num_workers)
+        self.max_outstanding = max(1, self.prefetch * self._working())
         self._turn = 0
         self._ledger.begin_epoch()
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
+        worker_id = self._next_worker()
+        if worker_id is None:
+            return False  # every worker's IterableDataset has run dry
+        self._send(self._ledger.add(task_id, indices, seed, worker_id))
+        return True
+
+    def _next_worker(self) -> int | None:
+        """Round-robin over the workers that still have data and are not short."""
         for i in range(self.num_workers):
             worker_id = (self._turn + i) % self.num_workers
-            if self._active[worker_id]:
+            if self._active[worker_id] and worker_id not in self._short:
                 self._turn = worker_id + 1
-                self._send(self._ledger.add(task_id, indices, seed, worker_id))
-                return True
-        return False  # every worker's IterableDataset has run dry
+                return worker_id
+        return None
+
+    def _working(self) -> int:
+        return max(1, self.num_workers - len(self._short))
 
     def _send(self, pending: PendingTask) -> None:
         released = self._slots.take_released(0)
@@ -219,6 +242,7 @@ class RayPool(Tuned):
             raise self._bridge_gone() from exc
 
     def _bridge_gone(self) -> WorkerDiedError:
+        self.broken = True  # a persistent pool is replaced (server/host.py)
         code = None if self._bridge is None else self._bridge.exitcode
         return WorkerDiedError(
             f"the loader's Ray driver process exited (code {code}): {self.where} is unreachable "
@@ -263,6 +287,19 @@ class RayPool(Tuned):
         if isinstance(message, Ready):
             self._starting.discard(message.worker_id)
             self._ledger.worker_ready(message.worker_id)
+            if message.worker_id in self._short:
+                self._short.discard(message.worker_id)
+                self._capacity_changed()
+                log.warning(
+                    "loader %r: Ray worker %d started again: %d of %d workers",
+                    self.spec.name,
+                    message.worker_id,
+                    self._working(),
+                    self.num_workers,
+                )
+            return None
+        if isinstance(message, Shortfall):
+            self._shortfall(message)
             return None
         assert isinstance(message, Result)
         result = message
@@ -314,6 +351,7 @@ class RayPool(Tuned):
         self._ledger.resize(workers)
         self._active = [True] * workers
         self._starting = {w for w in self._starting if w < workers}
+        self._short = {w for w in self._short if w < workers}
 
     def _lost(self, lost: Lost) -> Outcome | None:
         """An actor died and the bridge replaced it: re-issue what it held (its oldest task is
@@ -332,6 +370,45 @@ class RayPool(Tuned):
         for pending in reissue.tasks:
             self._send(pending)
         return reissue.given_up
+
+    def _shortfall(self, short: Shortfall) -> None:
+        """NOTE [ Ray capacity lost ]: a replacement that cannot start (no CPU free for it)
+        leaves the pool short of a worker. A map-style dataset's tasks are anyone's: what it
+        holds goes to the other workers at once, in submission order, and the epoch goes on
+        with fewer until its Ready. An IterableDataset shards itself by worker: without the
+        worker its share is lost, so its epoch ends with the error."""
+        worker_id = short.worker_id
+        if self.batching.is_iterable:
+            self.broken = True  # a new pool says what it lacks (or has it again)
+            raise WorkerDiedError(
+                f"{short.message}; an IterableDataset shards itself by worker, so its epoch "
+                "cannot go on without it"
+            )
+        self._short.add(worker_id)
+        self._starting.discard(worker_id)
+        self._capacity_changed()
+        held = self._ledger.held_by(worker_id)
+        log.warning(
+            "loader %r: %s; %d of %d workers, %d task(s) moved",
+            self.spec.name,
+            short.message,
+            self._working(),
+            self.num_workers,
+            len(held),
+        )
+        for pending in held:
+            other = self._next_worker()
+            if other is None:  # no worker left: they wait for the replacement
+                self._short.discard(worker_id)
+                return
+            pending.worker_id = other
+            pending.submitted_at = time.monotonic()
+            self._send(pending)
+
+    def _capacity_changed(self) -> None:
+        """The workers that can take tasks changed: the in-flight bound and the gauges."""
+        self.max_outstanding = max(1, self.prefetch * self._working())
+        self._metrics.pool_started(self.backend, self.nodes, self._working())
 
     def _stop_stuck(self, stuck: PendingTask) -> Outcome:
         log.warning(

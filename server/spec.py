@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -96,6 +97,9 @@ class LoaderSpec:
     # an actor asking `ray_num_cpus` CPUs of the cluster at the server's ray_address.
     pool: str = "local"
     ray_num_cpus: float = 1.0
+    # The Ray runtime_env of the loader's actors (RAY_RUNTIME_ENV_KEYS): the code and packages
+    # they need where the cluster's nodes do not have them (README: "Ray runtime_env").
+    ray_runtime_env: dict[str, Any] | None = None
     # num_workers = "auto" (AUTO; given as the string, in a config, a flag or here) sets
     # `autotune`: the pool starts with one worker and the server adds workers, up to
     # `max_workers` (default: this host's CPUs), while they are all busy and the host has idle
@@ -140,6 +144,8 @@ class LoaderSpec:
                 f'{where}: pool = "ray" runs the workers as Ray actors; it needs '
                 f"num_workers >= 1, got {self.num_workers} (0 loads in the server itself)"
             )
+        if self.ray_runtime_env is not None:
+            check_runtime_env(where, self.pool, self.ray_runtime_env)
         if not self.ray_num_cpus >= 0:
             raise ConfigError(
                 f"{where}: ray_num_cpus must be >= 0 (CPUs each Ray worker asks of the "
@@ -215,6 +221,7 @@ class LoaderSpec:
             *SHARING_TIMEOUTS,
             "pool",
             "ray_num_cpus",
+            "ray_runtime_env",
             "autotune",
             "autotune_prefetch",
             "max_workers",
@@ -229,6 +236,42 @@ class LoaderSpec:
     def options_text(self) -> dict[str, str]:
         """The options as text, for Describe and logs."""
         return {k: json.dumps(v, sort_keys=True) for k, v in self.to_json().items() if k != "name"}
+
+
+# The runtime_env keys a loader may give its Ray actors, and what each must be: the code and
+# packages they import (Ray's own meaning: docs.ray.io, "Runtime environments").
+RAY_RUNTIME_ENV_KEYS = {
+    "working_dir": "a path to a local folder or a URI of a zip (str)",
+    "py_modules": "a list of local folders, .py/.whl files or URIs (list of str)",
+    "pip": "a list of requirements, or a requirements.txt path (list of str, or str)",
+    "env_vars": "environment variables (a table of str to str)",
+}
+
+
+def check_runtime_env(where: str, pool: str, env: Mapping[str, Any]) -> None:
+    """Raises ConfigError when `env` is not a runtime_env this server passes to Ray."""
+    allowed = ", ".join(RAY_RUNTIME_ENV_KEYS)
+    if pool != "ray":
+        raise ConfigError(f'{where}: ray_runtime_env is for pool = "ray", got pool = {pool!r}')
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"{where}: ray_runtime_env must be a table of {allowed}, got {env!r}")
+    for key, value in env.items():
+        if key not in RAY_RUNTIME_ENV_KEYS:
+            raise ConfigError(
+                f"{where}: ray_runtime_env has an unknown key {key!r}; allowed: {allowed}"
+            )
+        strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ok = {
+            "working_dir": isinstance(value, str),
+            "py_modules": strings,
+            "pip": strings or isinstance(value, str),
+            "env_vars": isinstance(value, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()),
+        }[key]
+        if not ok:
+            raise ConfigError(
+                f"{where}: ray_runtime_env.{key} must be {RAY_RUNTIME_ENV_KEYS[key]}, got {value!r}"
+            )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LoaderSpec)}
@@ -249,8 +292,14 @@ def resolve(path: str, what: str = "object") -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
+            # Which file was imported: a module of the same name earlier on sys.path (a
+            # folder where the server or a Ray actor was started) shadows the one meant.
+            module = sys.modules.get(module_name)
+            origin = getattr(module, "__file__", None) or list(getattr(module, "__path__", []))
             raise ConfigError(
-                f"{what} {path!r}: module {module_name!r} has no attribute {attr_path!r}"
+                f"{what} {path!r}: module {module_name!r} has no attribute {attr_path!r} "
+                f"(the module imported is {origin}; is another {module_name!r} earlier on "
+                "sys.path?)"
             ) from exc
     if not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable (got {type(obj).__name__})")
@@ -315,6 +364,10 @@ def _check_type(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"{where} must be a number of CPUs, got {value!r}")
         return float(value)
+    if key == "ray_runtime_env":
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a table (Ray's runtime_env), got {value!r}")
+        return dict(value)
     raise AssertionError(key)  # every field is handled above
 
 
