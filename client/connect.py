@@ -49,9 +49,10 @@ from remote_loader.protos import wire
 #   ConnectionLostError. Bound: stream_bound().
 #
 # - A server at its max_streams refuses a stream with RESOURCE_EXHAUSTED naming the setting:
-#   a break like any other, retried with the same backoff, then ServerBusyError. A message over
-#   a size limit is RESOURCE_EXHAUSTED too (gRPC's "larger than max"): no retry can help it,
-#   so it is raised at once (server_busy() tells them apart).
+#   and the reason server-busy: a break like any other, retried with the same backoff, then
+#   ServerBusyError. A message over a size limit is RESOURCE_EXHAUSTED too (gRPC's "larger than
+#   max"): no retry can help it, so it is raised at once (server_busy() tells them apart by the
+#   reason, NOTE [ Error reasons ]).
 
 # Reconnecting: the first wait, and the most any one wait grows to (it doubles per attempt).
 DEFAULT_BACKOFF = 0.5

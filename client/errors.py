@@ -1,27 +1,45 @@
 """The exceptions a RemoteLoader raises, and the one place gRPC errors become them.
 
-RemoteLoaderError
-├── LoaderNotFoundError    the server has no such loader, or several and none was named
-├── RequestError           the server refused a request's values (INVALID_ARGUMENT, ...)
-├── AuthenticationError    the server refused this client's token (UNAUTHENTICATED,
-│                          PERMISSION_DENIED)
+RemoteLoaderError                       (`.reason`: the server's reason code, if any)
+├── LoaderNotFoundError    no such loader, or several and none named (loader-not-found,
+│                          loader-not-named; NOT_FOUND)
+├── RequestError           the server refused a request's values (invalid-request,
+│   │                      sharing-refused, undecodable-request; INVALID_ARGUMENT, ...)
+│   ├── LoaderBrokenError  the loader cannot make any batch: its dataset or worker_init_fn
+│   │                      raised on the server (loader-broken)
+│   ├── SpecChangedError   a resume against a spec that changed since (spec-changed)
+│   └── RequestTooLargeError   a request over the server's max_request_bytes
+│                          (request-too-large; also a ServerError, as it was before)
+├── AuthenticationError    the server refused this client's token (unauthenticated;
+│                          UNAUTHENTICATED, PERMISSION_DENIED)
 ├── DatasetError           a batch failed on the server; carries the remote traceback
-├── ConnectionLostError    the server cannot be reached, or the stream broke (UNAVAILABLE,
-│                          ABORTED: a broadcast consumer detached for holding the others)
+├── ConnectionLostError    the server cannot be reached, or the stream broke (unavailable,
+│                          closing, client-silent, data-connection-lost, detached, idle-stream;
+│                          UNAVAILABLE, ABORTED)
 ├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError)
 ├── ProtocolError          the server sent frames this client cannot read
-└── ServerError            any other failure reported by the server (INTERNAL, ...)
+└── ServerError            any other failure reported by the server (internal; INTERNAL, ...)
     └── ServerBusyError    the server stayed at its max_streams through every retry
-                           (RESOURCE_EXHAUSTED)
+                           (server-busy; RESOURCE_EXHAUSTED)
+
+NOTE [ Error reasons ] (protos/reasons.py): the server names each error's kind in the call's
+trailing metadata; `map_rpc_error` maps that reason to the exception (REASON_ERRORS), and a
+call without one (an older server, or gRPC's own refusals) by its status code.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from remote_loader.protos import reasons
+
 
 class RemoteLoaderError(Exception):
     """Base class of every error a RemoteLoader raises."""
+
+    # The server's reason code for the error (protos/reasons.py), or the one inferred from a
+    # status sent without one; None for errors of this side (a timeout, frames unreadable).
+    reason: str | None = None
 
 
 class LoaderNotFoundError(RemoteLoaderError):
@@ -30,6 +48,17 @@ class LoaderNotFoundError(RemoteLoaderError):
 
 class RequestError(RemoteLoaderError):
     """The server refused the request's values (an epoch, seed or option it cannot serve)."""
+
+
+class LoaderBrokenError(RequestError):
+    """The loader on the server cannot make any batch: its dataset factory or worker_init_fn
+    raised in its workers. The message carries the server's traceback; fix the loader and
+    restart the server (no retry helps)."""
+
+
+class SpecChangedError(RequestError):
+    """The saved state was made with another spec of the loader (its fingerprint differs):
+    resuming would not line the batches up. Start the epoch afresh, or serve the old spec."""
 
 
 class AuthenticationError(RemoteLoaderError):
@@ -86,26 +115,82 @@ class ServerBusyError(ServerError):
     the client's `retries`: raise the server's max_streams or run fewer streams at once."""
 
 
-# The details of a RESOURCE_EXHAUSTED that says the server is full, not a message too big (that
-# is RESOURCE_EXHAUSTED too, gRPC's "larger than max"): the service's own refusal (max_streams,
-# server/service.py) and grpc's (its maximum_concurrent_rpcs, server/server.py).
+class RequestTooLargeError(RequestError, ServerError):
+    """A request over the server's max_request_bytes (a job or loader name too long): no retry
+    helps. Also a ServerError, which this error was before it had a class of its own."""
+
+
+# Each reason a server sends (protos/reasons.py) and the error it raises here.
+REASON_ERRORS: dict[str, type[RemoteLoaderError]] = {
+    reasons.INVALID_REQUEST: RequestError,
+    reasons.SHARING_REFUSED: RequestError,
+    reasons.UNDECODABLE_REQUEST: RequestError,
+    reasons.REQUEST_TOO_LARGE: RequestTooLargeError,
+    reasons.LOADER_NOT_FOUND: LoaderNotFoundError,
+    reasons.LOADER_NOT_NAMED: LoaderNotFoundError,
+    reasons.LOADER_BROKEN: LoaderBrokenError,
+    reasons.SPEC_CHANGED: SpecChangedError,
+    reasons.SERVER_BUSY: ServerBusyError,
+    reasons.DETACHED: ConnectionLostError,
+    reasons.IDLE_STREAM: ConnectionLostError,
+    reasons.UNAVAILABLE: ConnectionLostError,
+    reasons.CLOSING: ConnectionLostError,
+    reasons.CLIENT_SILENT: ConnectionLostError,
+    reasons.DATA_CONNECTION_LOST: ConnectionLostError,
+    reasons.UNAUTHENTICATED: AuthenticationError,
+    reasons.INTERNAL: ServerError,
+}
+
+# Fallback only, for a RESOURCE_EXHAUSTED that carries no reason: the details that say the
+# server is full, not a message too big (RESOURCE_EXHAUSTED too, gRPC's "larger than max").
+# grpc's own refusal (its maximum_concurrent_rpcs, server/server.py) never carries a reason;
+# a server older than the reasons refused with text naming max_streams (server/service.py).
 BUSY_MARKERS = ("max_streams", "Concurrent RPC limit exceeded")
+
+
+def reason(exc: grpc.RpcError) -> str | None:
+    """The kind of error that ended the call: the reason the server sent in its trailing
+    metadata, else for RESOURCE_EXHAUSTED the one its text implies (server-busy, or gRPC's
+    refusal of a request over max_request_bytes); None: the status code alone tells."""
+    if not isinstance(exc, grpc.Call):
+        return None
+    try:
+        sent = reasons.reason_of(exc.trailing_metadata())
+    except Exception:  # a call that ended before any metadata: no reason, the code tells
+        sent = None
+    if sent is not None:
+        return sent
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    details = exc.details() or ""
+    if any(marker in details for marker in BUSY_MARKERS):
+        return reasons.SERVER_BUSY
+    return reasons.REQUEST_TOO_LARGE
 
 
 def server_busy(exc: grpc.RpcError) -> bool:
     """Whether `exc` is a server refusing for now because it is full, which a later attempt
     may pass, rather than a request over a size limit, which none will."""
-    if not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return False
-    details = exc.details() or ""
-    return any(marker in details for marker in BUSY_MARKERS)
+    return reason(exc) == reasons.SERVER_BUSY
 
 
 def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     """The RemoteLoaderError for a failed gRPC call; `what` says what was being done."""
+    error = _error(exc, what)
+    error.reason = reason(exc)
+    return error
+
+
+def _error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
     message = f"{what}: {details}"
+    kind = REASON_ERRORS.get(reason(exc) or "")
+    if kind is not None:
+        if issubclass(kind, ServerError):  # says its status, as below
+            return kind(f"{message} (status {code.name if code else 'unknown'})")
+        return kind(message)
+    # No reason (an older server, or an error of gRPC's): the status code says what it can.
     if code == grpc.StatusCode.NOT_FOUND:
         return LoaderNotFoundError(message)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -121,6 +206,4 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
         return ConnectionLostError(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectionLostError(f"{what}: no answer from the server in time ({details})")
-    if server_busy(exc):
-        return ServerBusyError(f"{message} (status RESOURCE_EXHAUSTED)")
     return ServerError(f"{message} (status {code.name if code else 'unknown'})")

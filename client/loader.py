@@ -14,7 +14,7 @@ from remote_loader.client import connect
 from remote_loader.client import state as state_module
 from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.epoch import EpochIterator, LoaderStats
-from remote_loader.client.errors import LoaderNotFoundError, RequestError
+from remote_loader.client.errors import LoaderNotFoundError, SpecChangedError
 from remote_loader.client.options import (
     check_options,
     compression_codec,
@@ -407,8 +407,8 @@ class RemoteLoader:
         receives its share of what that job had not consumed of the epoch (each new rank the
         same number of batches; a remainder as `partition_drop_last` says), and the epochs
         after are ordinary ones. Raises ValueError for a state of another loader or consumer
-        (sharing, job; rank at the same world size) and RequestError when the server's spec
-        changed since (its fingerprint differs).
+        (sharing, job; rank at the same world size) and SpecChangedError (a RequestError) when
+        the server's spec changed since (its fingerprint differs).
         """
         state_module.check(state)
         if state["loader"] != self.name:
@@ -417,7 +417,7 @@ class RemoteLoader:
             )
         point = state_module.resume_point(state, self.sharing, self.job, self.rank, self.world_size)
         if state["fingerprint"] != self.info.fingerprint:
-            raise RequestError(
+            raise SpecChangedError(
                 f"loader {self.name!r} at {self.address} has changed since the state was saved "
                 f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
                 "resuming would not line the batches up"

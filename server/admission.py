@@ -94,7 +94,10 @@ class StreamSlot:
         """Ends the call from another thread: its handler is blocked in gRPC's send, so it
         cannot abort itself. Cancelling with a status is grpc's (Cython) call API, not the
         public ServicerContext, whose cancel() says only CANCELLED; both are resumed by a
-        RemoteLoader, the status says why."""
+        RemoteLoader, the status says why. It carries no trailing metadata (a cancel sends
+        status and details only; set_trailing_metadata is sent by the handler's own status,
+        which its blocked send holds back), so no reason either: reasons.IDLE_STREAM names the
+        kind, the client reads the ABORTED as any broken stream (NOTE [ Error reasons ])."""
         call: Any = getattr(getattr(self._context, "_rpc_event", None), "call", None)
         try:
             call.cancel(grpc.StatusCode.ABORTED.value[0], reason)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from remote_loader.protos import reasons
 from remote_loader.server.spec import ConfigError
 
 log = logging.getLogger(__name__)
@@ -211,9 +212,11 @@ def _refusal(
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED: `problem`."""
 
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.set_trailing_metadata(reasons.metadata(reasons.UNAUTHENTICATED))
         context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     def refuse_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        context.set_trailing_metadata(reasons.metadata(reasons.UNAUTHENTICATED))
         context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     # No request deserializer: the refused request's bytes are never parsed.

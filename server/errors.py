@@ -2,30 +2,35 @@
 
 Every error the service reports to a client is a `ServerError`; its class names the status
 (`status`, a grpc.StatusCode name, so this module needs no gRPC and the worker side can import
-it) and its message is the status details. The service maps them in one place
+it) and its kind (`reason`, sent in the call's trailing metadata: NOTE [ Error reasons ] in
+protos/reasons.py), and its message is the status details. The service maps them in one place
 (service._statuses): anything else that escapes a call is a bug, reported as INTERNAL.
 
 Control flow that is not an error of the call stays outside the tree: StreamStopped (the
 client went while the server waited on it) and LeaseAbandoned (a Run closed before it got its
 engine) are caught where they are raised.
 
-    ServerError (INTERNAL)
-    +-- RequestInvalid (INVALID_ARGUMENT)
-    |   +-- SharingError          a sharing mode, rank or world_size the loader refuses
-    +-- LoaderNotFound (NOT_FOUND)
-    +-- LoaderBrokenError (FAILED_PRECONDITION)   no batch can be made (dataset, init_fn)
-    +-- SpecChanged (FAILED_PRECONDITION)         a resume against another spec
-    +-- Overloaded (RESOURCE_EXHAUSTED)           max_streams reached
-    +-- DetachedError (ABORTED)                   a stalled broadcast consumer was let go
-    +-- Unavailable (UNAVAILABLE)                 retry: the client resumes where it was
-        +-- ClosingError          the server is shutting down mid-epoch, or draining
-        +-- ClientSilent          the client's heartbeat stood still (frozen or gone)
-        +-- DataConnectionLost    the data connection broke mid-batch
+    class (status, reason)
+    ServerError (INTERNAL, internal)
+    +-- RequestInvalid (INVALID_ARGUMENT, invalid-request)
+    |   +-- SharingError (sharing-refused)   a sharing mode, rank or world_size refused
+    +-- LoaderNotFound (NOT_FOUND, loader-not-found)
+    |   +-- LoaderNotNamed (loader-not-named)   several loaders, and the request named none
+    +-- LoaderBrokenError (FAILED_PRECONDITION, loader-broken)   no batch can be made
+    +-- SpecChanged (FAILED_PRECONDITION, spec-changed)   a resume against another spec
+    +-- Overloaded (RESOURCE_EXHAUSTED, server-busy)      max_streams reached
+    +-- DetachedError (ABORTED, detached)       a stalled broadcast consumer was let go
+    +-- Unavailable (UNAVAILABLE, unavailable)  retry: the client resumes where it was
+        +-- ClosingError (closing)          the server is shutting down mid-epoch, or draining
+        +-- ClientSilent (client-silent)    the client's heartbeat stood still (frozen or gone)
+        +-- DataConnectionLost (data-connection-lost)   the data connection broke mid-batch
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+from remote_loader.protos import reasons
 
 # Characters of a client-chosen value (a loader or job name, a fingerprint) that errors and logs
 # echo: a 60 KB loader name echoed whole in NOT_FOUND made its status larger than gRPC's
@@ -45,20 +50,34 @@ class ServerError(Exception):
     """An error a call ends with; `status` names its gRPC status code."""
 
     status: ClassVar[str] = "INTERNAL"
+    # The kind, for the client (protos/reasons.py): each class below names its own.
+    reason: ClassVar[str] = reasons.INTERNAL
 
 
 class RequestInvalid(ServerError, ValueError):
     """A request field out of its range, or an option the loader does not allow."""
 
     status = "INVALID_ARGUMENT"
+    reason = reasons.INVALID_REQUEST
 
 
 class SharingError(RequestInvalid):
     """A consumer asked for something the loader does not allow."""
 
+    reason = reasons.SHARING_REFUSED
+
 
 class LoaderNotFound(ServerError):
     status = "NOT_FOUND"
+    reason = reasons.LOADER_NOT_FOUND
+
+
+class LoaderNotNamed(LoaderNotFound):
+    """The server hosts several loaders and the request named none. NOT_FOUND, as the loader
+    it would need is not found: the client says the same (LoaderNotFoundError) when it finds
+    several loaders before it asks for one."""
+
+    reason = reasons.LOADER_NOT_NAMED
 
 
 class LoaderBrokenError(ServerError):
@@ -66,32 +85,39 @@ class LoaderBrokenError(ServerError):
     its workers. The message carries the original traceback."""
 
     status = "FAILED_PRECONDITION"
+    reason = reasons.LOADER_BROKEN
 
 
 class SpecChanged(ServerError):
     """The consumer's saved state names another spec (fingerprint): resuming would misalign."""
 
     status = "FAILED_PRECONDITION"
+    reason = reasons.SPEC_CHANGED
 
 
 class Overloaded(ServerError):
     status = "RESOURCE_EXHAUSTED"
+    reason = reasons.SERVER_BUSY
 
 
 class DetachedError(ServerError):
     """This consumer was detached from its Run: it held the others back too long."""
 
     status = "ABORTED"
+    reason = reasons.DETACHED
 
 
 class Unavailable(ServerError):
     """Try again: the client's receiver resumes the stream from the batch it was missing."""
 
     status = "UNAVAILABLE"
+    reason = reasons.UNAVAILABLE
 
 
 class ClosingError(Unavailable):
     """The server is draining, or shutting down mid-epoch: never a normal end."""
+
+    reason = reasons.CLOSING
 
 
 class ClientSilent(Unavailable):
@@ -99,6 +125,10 @@ class ClientSilent(Unavailable):
     seconds while the server waited on it: it is frozen or gone (NOTE [ Ring space ], NOTE [ TCP
     data connection ])."""
 
+    reason = reasons.CLIENT_SILENT
+
 
 class DataConnectionLost(Unavailable):
     """The client's data connection broke while a batch was being sent."""
+
+    reason = reasons.DATA_CONNECTION_LOST

@@ -18,13 +18,14 @@ from typing import NoReturn
 
 import grpc
 
-from remote_loader.protos import compression, shm, wire
+from remote_loader.protos import compression, reasons, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.admission import Admission, StreamSlot
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
     ClosingError,
     LoaderNotFound,
+    LoaderNotNamed,
     Overloaded,
     RequestInvalid,
     ServerError,
@@ -107,7 +108,7 @@ class LoaderService:
         if not name:
             if len(self.hosts) == 1:
                 return next(iter(self.hosts.values()))
-            raise RequestInvalid(
+            raise LoaderNotNamed(
                 f"this server hosts several loaders ({', '.join(sorted(self.hosts))}); name one"
             )
         host = self.hosts.get(name)
@@ -417,5 +418,8 @@ def _statuses(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 def _abort_with(context: grpc.ServicerContext, error: ServerError) -> NoReturn:
+    """Ends the call with `error`'s status and message, and its reason in the trailing
+    metadata (NOTE [ Error reasons ]): abort sends what set_trailing_metadata set."""
+    context.set_trailing_metadata(reasons.metadata(error.reason))
     context.abort(grpc.StatusCode[error.status], str(error))
     raise AssertionError("unreachable: context.abort raises")

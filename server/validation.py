@@ -16,6 +16,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import reasons
 from remote_loader.server.elastic import Reshard, ReshardError
 from remote_loader.server.errors import RequestInvalid, clip
 from remote_loader.server.host import LoaderHost
@@ -56,6 +57,7 @@ def decoded(method: str, request: M | Undecodable, context: grpc.ServicerContext
 
 def _refuse(method: str, request: Undecodable, context: grpc.ServicerContext) -> NoReturn:
     log.warning("undecodable %s request from %s: %s", method, context.peer(), request.error)
+    context.set_trailing_metadata(reasons.metadata(reasons.UNDECODABLE_REQUEST))
     context.abort(
         grpc.StatusCode.INVALID_ARGUMENT,
         f"the {method} request could not be decoded ({request.error}); is the client a "
