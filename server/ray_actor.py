@@ -15,24 +15,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data._utils.worker as torch_worker
 
-from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.collating import use_collate_buffers
 from remote_loader.server.sampling import Batching
-from remote_loader.server.spec import LoaderSpec, resolve
-from remote_loader.server.worker import (
-    Fetcher,
-    RemoteError,
-    build_dataset,
-    make_batch,
-    seed_rngs,
-)
+from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.worker import WorkerState, make_batch
 
 # What `make` returns (a tuple, so Ray serialises the array out of band):
 #   ("batch", header_nbytes, blob, started_at, finished_at)
@@ -56,24 +47,11 @@ class RayWorker:
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
         # NOTE [ Collating in process memory ] in server/worker.py: a batch leaves as a blob.
         use_collate_buffers()
-        self.spec = spec
-        self.batching = batching
-        self.worker_id = worker_id
-        self.num_workers = num_workers
         self.max_batch_bytes = max_batch_bytes
-        self.where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()})"
-        self.init_error: RemoteError | None = None
-        self.dataset: Any = None
-        self.collate_fn: Callable[[Any], Any] | None = None
-        self.fetcher: Fetcher | None = None
-        self.initialized = False
         self.epoch_key = -1
-        self.compressor: Compressor | None = None
-        try:
-            self.dataset = build_dataset(spec)
-            self.collate_fn = batching.collate_fn(spec)
-        except Exception as exc:
-            self.init_error = RemoteError.capture(self.where, exc)
+        where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()})"
+        # The same dataset, seeding and worker_init_fn as a worker process (server/worker.py).
+        self.state = WorkerState(spec, batching, worker_id, num_workers, where)
 
     def node(self) -> str:
         """The id of the node this actor runs on (for Describe and the metrics)."""
@@ -84,32 +62,19 @@ class RayWorker:
     def begin_epoch(self, epoch_key: int, base_seed: int, compression: str = "") -> None:
         """Reseeds and restarts iteration, as a worker process does on EpochStart."""
         self.epoch_key = epoch_key
-        self.compressor = compressor_for(compression, self.compressor)
-        if self.init_error is not None:
-            return
-        seed = seed_rngs(base_seed, self.worker_id)
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=self.worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
-        )
-        try:
-            if not self.initialized and self.spec.worker_init_fn:
-                resolve(self.spec.worker_init_fn, "worker_init_fn")(self.worker_id)
-            self.initialized = True
-            assert self.collate_fn is not None
-            self.fetcher = Fetcher(self.dataset, self.batching, self.collate_fn)
-        except Exception as exc:
-            self.init_error = RemoteError.capture(self.where, exc)
+        self.state.begin_epoch(base_seed, compression)
 
     def make(self, epoch_key: int, indices: Any, seed: int | None) -> tuple[Any, ...]:
         """One task (see the return values above)."""
-        if self.init_error is not None:
-            return (FATAL, self.init_error)
+        state = self.state
+        if state.init_error is not None:
+            return (FATAL, state.init_error)
         if epoch_key != self.epoch_key:
             raise RuntimeError(f"task of epoch {epoch_key} sent to a worker in {self.epoch_key}")
-        assert self.fetcher is not None
+        assert state.fetcher is not None
         started = time.monotonic()
         made = make_batch(
-            self.fetcher, indices, seed, self.max_batch_bytes, self.where, self.compressor
+            state.fetcher, indices, seed, self.max_batch_bytes, state.where, state.compressor
         )
         if made.error is not None:
             return (ERROR, made.error, started, time.monotonic())
