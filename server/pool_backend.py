@@ -77,5 +77,5 @@ class WorkerBackend(Protocol):
         ...
 
     def stop(self) -> None:
-        """Stops every worker and frees the channels (NOTE [ Pool Shutdown ])."""
+        """Stops every worker and frees the channels (NOTE [ Pool Shutdown ] in server/pool.py)."""
         ...

@@ -45,7 +45,7 @@ class RayWorker:
         max_batch_bytes: int,
     ) -> None:
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
-        # NOTE [ Collating in process memory ] in server/worker.py: a batch leaves as a blob.
+        # NOTE [ Collating in process memory ] in server/collating.py: a batch leaves as a blob.
         use_collate_buffers()
         self.max_batch_bytes = max_batch_bytes
         self.epoch_key = -1
