@@ -23,9 +23,9 @@ Batches stay identical whatever the count because autotuning requires seeding = 
 IterableDataset shards by worker count). A worker that joins sees get_worker_info() with the
 count of the moment; workers already running keep the count they started with.
 
-Applied by the local pool (server/pool_resize.py: worker processes) and the Ray pool
-(server/ray_pool.py: actors, through the bridge's Resize); only the last worker is removed,
-once it holds no task, so worker ids stay 0..n-1.
+Applied by a Resizer: in the local pool (server/pool.py: worker processes) and the Ray pool
+(server/ray_pool.py, through Tuned: actors, through the bridge's Resize); only the last worker
+is removed, once it holds no task, so worker ids stay 0..n-1.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
+from remote_loader.server.engine import in_flight_bound
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.supervision import TaskLedger
@@ -89,9 +91,74 @@ def log_decision(loader: str, metrics: LoaderMetrics, decision: Decision, value:
     metrics.autotuned(decision.setting, value, decision.reason)
 
 
+class Tunable(Protocol):
+    """What a Resizer reads and changes in a pool: its size, its queue per worker and bound
+    (engine.in_flight_bound), which workers take tasks, and how it grows or loses its last."""
+
+    num_workers: int
+    prefetch: int
+    max_outstanding: int
+
+    @property
+    def outstanding(self) -> int: ...
+
+    @property
+    def active(self) -> list[bool]:
+        """Per worker: whether it is given tasks (False: drained, or its data ran dry)."""
+        ...
+
+    def holds(self, worker_id: int) -> bool:
+        """Whether `worker_id` still has tasks out."""
+        ...
+
+    def add_worker(self) -> None: ...
+    def remove_last(self) -> None: ...
+
+
+class Resizer:
+    """Applies a WorkerTuner's decisions to a pool (NOTE [ Worker autotuning ]); the pool calls
+    `made` for every batch back and `tune` from its poll (the Run's thread)."""
+
+    def __init__(self, tuner: WorkerTuner, loader: str, metrics: LoaderMetrics) -> None:
+        self.tuner = tuner
+        self._loader = loader
+        self._metrics = metrics
+
+    def made(self, seconds: float, nbytes: int) -> None:
+        self.tuner.made(seconds, nbytes)
+
+    def tune(self, pool: Tunable) -> None:
+        """Applies the tuner's decision: a worker added at once, or the last one drained (no
+        new tasks) and removed once it holds none, or the queue per worker changed."""
+        tuner = self.tuner
+        if not pool.active:
+            return  # between epochs
+        tuner.polled(pool.outstanding >= pool.max_outstanding)
+        last = pool.num_workers - 1
+        if last > 0 and not pool.active[last] and not pool.holds(last):
+            pool.remove_last()
+            last = pool.num_workers - 1
+        decision = tuner.decide(pool.num_workers)
+        if decision is None or not all(pool.active):
+            return
+        if decision.setting == "prefetch_factor":
+            pool.prefetch = tuner.prefetch = pool.prefetch + decision.delta
+            pool.max_outstanding = in_flight_bound(pool.prefetch, pool.num_workers)
+            target = pool.prefetch
+        elif decision.delta > 0:
+            pool.add_worker()
+            target = pool.num_workers
+        else:
+            pool.active[last] = False  # drained first: removed by a later tune
+            pool.max_outstanding = in_flight_bound(pool.prefetch, last)
+            target = last
+        log_decision(self._loader, self._metrics, decision, target)
+
+
 class Tuned:
-    """The decision loop both pools share (local processes, Ray actors): a pool supplies
-    `_add_worker` and `_remove_last`, and calls `_tune` from its poll."""
+    """The Ray pool's hold on the Resizer (server/ray_pool.py, which does not use the pool core
+    of server/pool.py yet): a pool supplies `_add_worker` and `_remove_last`, and calls `_tune`
+    from its poll. Goes once RayPool is a WorkerBackend of that core."""
 
     spec: LoaderSpec
     num_workers: int
@@ -101,6 +168,23 @@ class Tuned:
     _active: list[bool]
     _metrics: LoaderMetrics
 
+    @property
+    def outstanding(self) -> int:
+        return len(self._ledger)
+
+    @property
+    def active(self) -> list[bool]:
+        return self._active
+
+    def holds(self, worker_id: int) -> bool:
+        return bool(self._ledger.held_by(worker_id))
+
+    def add_worker(self) -> None:
+        self._add_worker()
+
+    def remove_last(self) -> None:
+        self._remove_last()
+
     def _add_worker(self) -> None:
         raise NotImplementedError
 
@@ -108,30 +192,7 @@ class Tuned:
         raise NotImplementedError
 
     def _tune(self, tuner: WorkerTuner) -> None:
-        """Applies the tuner's decision: a worker added at once, or the last one drained (no
-        new tasks) and removed once it holds none, or the queue per worker changed."""
-        if not self._active:
-            return  # between epochs
-        tuner.polled(len(self._ledger) >= self.max_outstanding)
-        last = self.num_workers - 1
-        if last > 0 and not self._active[last] and not self._ledger.held_by(last):
-            self._remove_last()
-            last = self.num_workers - 1
-        decision = tuner.decide(self.num_workers)
-        if decision is None or not all(self._active):
-            return
-        if decision.setting == "prefetch_factor":
-            self.prefetch = tuner.prefetch = self.prefetch + decision.delta
-            self.max_outstanding = max(1, self.prefetch * self.num_workers)
-            target = self.prefetch
-        elif decision.delta > 0:
-            self._add_worker()
-            target = self.num_workers
-        else:
-            self._active[last] = False  # drained first: removed by a later _tune
-            self.max_outstanding = max(1, self.prefetch * last)
-            target = last
-        log_decision(self.spec.name, self._metrics, decision, target)
+        Resizer(tuner, self.spec.name, self._metrics).tune(self)
 
 
 def host_idle_cores() -> Callable[[], float | None]:

@@ -5,7 +5,8 @@ lifetime (start / shutdown) and a description for Describe and the metrics. The 
 reordering, resume and the transports do not know which backend runs: a third backend is a
 module and a line in `make_pool`.
 
-- "local" (server/pool.py): worker processes of this server.
+- "local" (server/pool.py, the pool core, with server/pool_local.py's ProcessBackend): worker
+  processes of this server.
 - "ray" (server/ray_pool.py): Ray actors on a cluster, through a bridge process; needs the
   `ray` extra, imported only when a loader asks for it. `require_backend` checks that at
   start-up (and in `check-config`), not when an epoch first starts a pool.
@@ -34,7 +35,10 @@ RAY_INSTALL = (
 class Pool(Engine, Protocol):
     """A worker pool of some backend."""
 
-    restarts: int  # workers replaced after they died (or were stopped for a timeout)
+    @property
+    def restarts(self) -> int:
+        """Workers replaced after they died (or were stopped for a timeout)."""
+        ...
 
     def start(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -64,8 +68,10 @@ def make_pool(
             metrics=metrics,
         )
     from remote_loader.server.pool import WorkerPool
+    from remote_loader.server.pool_local import ProcessBackend
 
-    return WorkerPool(spec, batching, ctx, max_batch_bytes=max_batch_bytes, metrics=metrics)
+    backend = ProcessBackend(spec, batching, ctx, max_batch_bytes=max_batch_bytes)
+    return WorkerPool(spec, batching, backend, metrics=metrics)
 
 
 def require_backend(spec: LoaderSpec) -> None:

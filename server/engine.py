@@ -1,7 +1,7 @@
 """The engine seam: what a Run drives to make its batches (server/run.py), and what comes back.
 
 Two engines fill it: the worker pool (server/pool.py) and in-process loading for
-num_workers = 0 (InlineEngine, server/host.py).
+num_workers = 0 (InlineEngine, server/inline.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ from remote_loader.server.worker import RemoteError
 # How long one engine poll blocks (the pool: on its result pipes) before it checks whether the
 # workers are alive. Short, because it also bounds how fast a run notices it has been closed.
 POLL_INTERVAL = 0.1
+
+
+def in_flight_bound(prefetch: int, workers: int) -> int:
+    """An engine's `max_outstanding`: at most prefetch_factor tasks per worker taking tasks, as
+    torch's DataLoader keeps out (at least one, so an epoch always moves)."""
+    return max(1, prefetch * workers)
 
 
 class Engine(Protocol):

@@ -6,7 +6,6 @@ start-up and does the loading when num_workers = 0; workers build their own inst
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import multiprocessing.context
@@ -17,7 +16,6 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.backends import Pool, make_pool, require_backend
 from remote_loader.server.elastic import (
     Reshard,
@@ -25,8 +23,9 @@ from remote_loader.server.elastic import (
     resharded_length,
     resharded_plan,
 )
-from remote_loader.server.engine import POLL_INTERVAL, Delivery, Engine, Outcome
+from remote_loader.server.engine import POLL_INTERVAL, Engine
 from remote_loader.server.errors import ClosingError
+from remote_loader.server.inline import InlineEngine
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.policies import admit, policy_for
@@ -40,93 +39,9 @@ from remote_loader.server.sampling import (
 )
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import ConfigError, LoaderSpec
-from remote_loader.server.worker import (
-    DEFAULT_MAX_BATCH_BYTES,
-    Fetcher,
-    build_dataset,
-    make_batch,
-    seed_rngs,
-)
+from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES, build_dataset
 
 log = logging.getLogger(__name__)
-
-
-# Where an inline (num_workers=0) batch failed, in its error.
-INLINE = "in the server process"
-
-
-class InlineEngine:
-    """num_workers = 0: the Run's own thread loads, one batch at a time, in the server process.
-
-    torch does not seed the main process; here it is seeded as worker 0 would be, so the epoch is
-    still a function of (seed, epoch). The RNGs are process-global: concurrent Runs of such
-    loaders share them.
-    """
-
-    max_outstanding = 1
-    broken = False
-    outstanding = 0
-
-    def __init__(
-        self,
-        spec: LoaderSpec,
-        dataset: Any,
-        batching: Batching,
-        *,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        metrics: LoaderMetrics | None = None,
-    ) -> None:
-        self._spec = spec
-        self._dataset = dataset
-        self._batching = batching
-        self._max_batch_bytes = max_batch_bytes
-        self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
-        self._queue: collections.deque[tuple[int, Any, int | None]] = collections.deque()
-        self._fetcher: Fetcher | None = None
-        self._compressor: Compressor | None = None
-        self.outstanding = 0
-
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
-        seed_rngs(base_seed, 0)
-        self._compressor = compressor_for(compression, self._compressor)
-        collate_fn = self._batching.collate_fn(self._spec)
-        self._fetcher = Fetcher(self._dataset, self._batching, collate_fn)
-        self._queue.clear()
-        self.outstanding = 0
-
-    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
-        assert self._fetcher is not None
-        if self._fetcher.ended:
-            return False
-        self._queue.append((task_id, indices, seed))
-        self.outstanding += 1
-        return True
-
-    def poll(self, timeout: float = 0.0) -> Outcome | None:
-        if not self._queue:
-            return None
-        assert self._fetcher is not None
-        task_id, indices, seed = self._queue.popleft()
-        self.outstanding -= 1
-        started = time.monotonic()
-        made = make_batch(
-            self._fetcher, indices, seed, self._max_batch_bytes, INLINE, self._compressor
-        )
-        if made.error is None and made.encoded is None:
-            return Outcome(task_id, None)  # the IterableDataset ran dry
-        self._metrics.make.observe(time.monotonic() - started)
-        if made.error is not None:
-            return Outcome(task_id, Delivery(error=made.error))
-        encoded = made.encoded
-        assert encoded is not None
-        return Outcome(
-            task_id,
-            Delivery(blob=memoryview(encoded.to_bytes()), header_nbytes=len(encoded.header)),
-        )
-
-    def end_epoch(self) -> None:
-        self._queue.clear()
-        self.outstanding = 0
 
 
 def check_length(spec: LoaderSpec, dataset: Any) -> None:

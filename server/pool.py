@@ -1,45 +1,44 @@
-"""The worker pool stage: worker processes, their index queues, their result pipes, dispatch.
+"""The pool core: one epoch at a time of a loader's workers, whatever runs them.
 
 A pool runs one epoch at a time for one Run (server/run.py), which decides which task comes
-next and puts results back in order. The pool sends each task to the next worker that still has
-data, round-robin as torch's _MultiProcessingDataLoaderIter does, and hands back each task's
-outcome as it completes.
+next and puts results back in order. The core sends each task to the next worker that still has
+data, round-robin as torch's _MultiProcessingDataLoaderIter does, keeps at most
+prefetch_factor * num_workers of them out, and hands back each task's outcome as it completes.
+
+It owns the task ledger (server/supervision.py), the workers' shared-memory slots
+(server/slots.py), dispatch, the Result -> Outcome step and the bounds, and holds two parts: a
+Supervisor (server/pool_supervision.py), which replaces dead and stuck workers, and, with
+num_workers or prefetch_factor = "auto", a Resizer (server/autotune.py). Where the workers run
+is a WorkerBackend's business (server/pool_backend.py): worker processes for the local pool
+(ProcessBackend, server/pool_local.py).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import itertools
-import logging
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.context
-import os
 import time
 from typing import Any
 
-from remote_loader.server.engine import POLL_INTERVAL, Delivery, Outcome, WorkerInitError
+from remote_loader.server.autotune import Resizer, new_tuner
+from remote_loader.server.engine import (
+    POLL_INTERVAL,
+    Delivery,
+    Outcome,
+    WorkerInitError,
+    in_flight_bound,
+)
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool_supervision import WORKER_JOIN_TIMEOUT, SupervisedPool
+from remote_loader.server.pool_backend import WorkerBackend
+from remote_loader.server.pool_supervision import Supervisor
 from remote_loader.server.sampling import Batching
 from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.supervision import MAX_TASK_ATTEMPTS, PendingTask, TaskLedger
-from remote_loader.server.worker import (
-    DEFAULT_MAX_BATCH_BYTES,
-    EpochStart,
-    Result,
-    Task,
-    WorkerConfig,
-    worker_loop,
-)
+from remote_loader.server.worker import EpochStart, Result, Task
 
 # MAX_TASK_ATTEMPTS is supervision's (server/supervision.py), importable from here as before.
-__all__ = ["MAX_TASK_ATTEMPTS", "WORKER_JOIN_TIMEOUT", "WorkerPool"]
-
-log = logging.getLogger(__name__)
+__all__ = ["MAX_TASK_ATTEMPTS", "WorkerPool"]
 
 # NOTE [ Pool Protocol ]
 #
@@ -80,7 +79,8 @@ log = logging.getLogger(__name__)
 # NOTE [ Pool Shutdown ]
 #
 # `shutdown()` is the one cleanup path, called when a Run ends (non-persistent pools), when
-# its loader is closed (persistent pools) and when the server stops:
+# its loader is closed (persistent pools) and when the server stops. The core does step 1, the
+# process backend (ProcessBackend.stop, server/pool_local.py) the rest:
 #   1. current_epoch.value = -1, so workers skip whatever is still queued for them;
 #   2. put None on every index queue (workers exit after their current task);
 #   3. join the workers for WORKER_JOIN_TIMEOUT in all (one deadline, not one per worker: 16
@@ -94,21 +94,20 @@ log = logging.getLogger(__name__)
 # stay readable: their memoryviews keep the mapped segments.
 
 
-class WorkerPool(SupervisedPool):
-    """`num_workers` worker processes for one loader spec; runs one epoch at a time.
+class WorkerPool:
+    """`num_workers` workers of one loader spec, run by `backend`; one epoch at a time.
 
-    See NOTE [ Pool Protocol ] and NOTE [ Replacing a Worker Process ] (in
-    server/pool_supervision.py). Only the thread producing a Run calls the epoch methods;
-    `Delivery.release` may be called from any thread.
+    See NOTE [ Pool Protocol ] and NOTE [ Replacing a Worker ] (server/pool_supervision.py).
+    Only the thread producing a Run calls the epoch methods; `Delivery.release` may be called
+    from any thread.
     """
 
     def __init__(
         self,
         spec: LoaderSpec,
         batching: Batching,
-        ctx: multiprocessing.context.BaseContext,
+        backend: WorkerBackend,
         *,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         metrics: LoaderMetrics | None = None,
     ) -> None:
         if spec.num_workers < 1:
@@ -117,106 +116,72 @@ class WorkerPool(SupervisedPool):
         self.batching = batching
         self.num_workers = spec.num_workers
         self.prefetch = spec.prefetch_factor if spec.prefetch_factor is not None else 2
-        self.max_outstanding = max(1, self.prefetch * self.num_workers)
-        self.max_batch_bytes = max_batch_bytes
+        self.max_outstanding = in_flight_bound(self.prefetch, self.num_workers)
         self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
-        self._ctx = ctx
-        self._workers: list[multiprocessing.process.BaseProcess] = []
-        self._index_queues: list[Any] = []
-        self._incarnations: list[int] = []  # per worker id: its current process's incarnation
-        self._making: list[Any] = []  # per worker id: shared value, the task it is making
-        # Per worker id: the reading end of its own result pipe (None once it hit EOF). One pipe
-        # per process, written synchronously: a worker that dies mid-write cannot leave a lock
-        # held that other workers need (as a shared multiprocessing.Queue's write lock would),
-        # and its reader gets EOF, not a hang.
-        self._results: list[multiprocessing.connection.Connection | None] = []
-        self._next_incarnation = itertools.count()
-        self._current_epoch: Any = None
+        self._backend = backend
+        self._incarnations: list[int] = []  # per worker id: its current incarnation
         self._epoch_keys = itertools.count()
-        # The worker processes' shared-memory slots, by (incarnation, slot) (server/slots.py).
+        # The workers' shared-memory slots, by (incarnation, slot) (server/slots.py).
         self._slots = SlotTable()
         self._closed = False
         # Set by the Run when the pool failed: it must not run another epoch.
         self.broken = False
-        # Worker processes replaced after they died (or were stopped for a timeout).
-        self.restarts = 0
-        # The current epoch (begin_epoch): its key and base seed, which workers still have data,
-        # and the tasks submitted and not yet polled back (server/supervision.py).
+        # The current epoch (begin_epoch): its key and base seed, whether it still runs, which
+        # workers still take tasks, and the tasks submitted and not yet polled back.
         self._key = -1
         self._base_seed = 0
         self._compression = ""
+        self._in_epoch = False
         self._active: list[bool] = []
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
-        # num_workers = "auto" (NOTE [ Worker autotuning ] in server/autotune.py); workers
-        # removed by it, joined at shutdown.
-        self._tuner = self._new_tuner(spec)
-        self._retired: list[multiprocessing.process.BaseProcess] = []
-        # Tasks given up (timed out, or out of attempts) and not yet returned by poll().
-        self._failed: collections.deque[Outcome] = collections.deque()
+        self._supervisor = Supervisor(
+            spec, backend, self._ledger, self._metrics, respawn=self._respawn, send=self._send
+        )
+        # num_workers or prefetch_factor = "auto" (NOTE [ Worker autotuning ]).
+        tuner = new_tuner(spec, self.prefetch)
+        self._resizer = None if tuner is None else Resizer(tuner, spec.name, self._metrics)
 
     @property
     def outstanding(self) -> int:
         """Tasks submitted and not yet polled back."""
         return len(self._ledger)
 
+    @property
+    def restarts(self) -> int:
+        """Workers replaced after they died (or were stopped for a timeout)."""
+        return self._supervisor.restarts
+
+    @property
+    def pids(self) -> list[int]:
+        return self._backend.pids
+
     def describe(self) -> dict[str, int | str]:
         """For Describe and the metrics: processes of this host."""
         return {"backend": "local", "nodes": 1, "workers": self.num_workers}
 
-    @property
-    def pids(self) -> list[int]:
-        return [w.pid for w in self._workers if w.pid is not None]
-
     def start(self) -> None:
-        """Starts the worker processes (they build the dataset themselves)."""
-        self._current_epoch = self._ctx.Value("q", -1, lock=False)
+        """Starts the workers (they build the dataset themselves)."""
+        self._backend.start()
         for worker_id in range(self.num_workers):
-            proc, index_queue, incarnation, making, results = self._spawn(worker_id)
-            self._workers.append(proc)
-            self._index_queues.append(index_queue)
-            self._incarnations.append(incarnation)
-            self._making.append(making)
-            self._results.append(results)
+            self._spawn(worker_id)
 
-    def _spawn(
-        self, worker_id: int
-    ) -> tuple[
-        multiprocessing.process.BaseProcess, Any, int, Any, multiprocessing.connection.Connection
-    ]:
-        # A fresh index queue per process: the old one may still hold tasks the dead process
-        # never read, which are re-issued, not read again.
-        index_queue = self._ctx.Queue()
-        # Index queues only carry small messages; do not let a dead worker make the server
-        # wait on the feeder thread at exit.
-        index_queue.cancel_join_thread()
-        incarnation = next(self._next_incarnation)
+    def _spawn(self, worker_id: int) -> int:
+        incarnation = self._backend.spawn(worker_id, self.num_workers)
         self._slots.open(incarnation)
-        making = self._ctx.Value("q", -1, lock=False)
-        results, results_writer = self._ctx.Pipe(duplex=False)
-        cfg = WorkerConfig(
-            spec=self.spec,
-            batching=self.batching,
-            worker_id=worker_id,
-            num_workers=self.num_workers,
-            index_queue=index_queue,
-            results=results_writer,
-            current_epoch=self._current_epoch,
-            server_pid=os.getpid(),
-            incarnation=incarnation,
-            current_task=making,
-            max_batch_bytes=self.max_batch_bytes,
-        )
-        proc = self._ctx.Process(  # type: ignore[attr-defined]
-            target=worker_loop,
-            args=(cfg,),
-            name=f"remote-loader-worker-{worker_id}",
-            daemon=True,
-        )
-        proc.start()
-        # Only the worker may hold the writing end: its death then reads as EOF here.
-        results_writer.close()
-        return proc, index_queue, incarnation, making, results
+        if worker_id == len(self._incarnations):
+            self._incarnations.append(incarnation)
+        else:
+            self._incarnations[worker_id] = incarnation
+        return incarnation
+
+    def _respawn(self, worker_id: int) -> None:
+        """The Supervisor's: a replacement for a dead worker (NOTE [ Replacing a Worker ])."""
+        self._slots.forget(self._incarnations[worker_id])
+        self._backend.discard(worker_id)
+        self._spawn(worker_id)
+        if self._in_epoch:
+            self._backend.send(worker_id, self._epoch_start())
 
     # --- one epoch (called by the Run's thread only) -------------------------------------
 
@@ -228,13 +193,14 @@ class WorkerPool(SupervisedPool):
         self._key = next(self._epoch_keys)
         self._base_seed = base_seed
         self._compression = compression
-        self._current_epoch.value = self._key
-        for q in self._index_queues:
-            q.put(self._epoch_start())
+        self._in_epoch = True
+        self._backend.set_epoch(self._key)
+        for worker_id in range(self.num_workers):
+            self._backend.send(worker_id, self._epoch_start())
         # A worker being drained by autotuning is kept: the new epoch may use it again.
         self._resized()
         self._ledger.begin_epoch()
-        self._failed.clear()
+        self._supervisor.clear()
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         """Sends a task (with its per-batch seed, if any) to the next active worker; False when
@@ -257,15 +223,9 @@ class WorkerPool(SupervisedPool):
 
     def _send(self, pending: PendingTask) -> None:
         w = pending.worker_id
-        self._index_queues[w].put(
-            Task(
-                self._key,
-                pending.task_id,
-                pending.indices,
-                self._slots.take_released(self._incarnations[w]),
-                pending.seed,
-            )
-        )
+        released = self._slots.take_released(self._incarnations[w])
+        task = Task(self._key, pending.task_id, pending.indices, released, pending.seed)
+        self._backend.send(w, task)
 
     def poll(self, timeout: float = POLL_INTERVAL) -> Outcome | None:
         """The next task to complete, or None after `timeout` seconds without one.
@@ -274,51 +234,26 @@ class WorkerPool(SupervisedPool):
         their tasks, and, when the spec sets `timeout`, a check that some task completed within
         it. See NOTE [ Worker Failures ] in server/supervision.py.
         """
-        if self._failed:
-            return self._failed.popleft()
-        if self._tuner is not None:
-            self._tune(self._tuner)
+        failed = self._supervisor.next_failure()
+        if failed is not None:
+            return failed
+        if self._resizer is not None:
+            self._resizer.tune(self)
         if not self._ledger:
             return None
         deadline = time.monotonic() + timeout
         while True:
-            failed = self._check_workers()
+            failed = self._supervisor.check()
             if failed is not None:
                 return failed
-            readers = [r for r in self._results if r is not None]
             wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
-            ready = multiprocessing.connection.wait(readers, timeout=wait) if readers else []
-            if not ready:
-                if not readers:
-                    time.sleep(wait)
-                if time.monotonic() >= deadline:
-                    return None
-                continue
-            for reader in ready:
-                assert isinstance(reader, multiprocessing.connection.Connection)
-                result = self._receive(reader)
-                if result is None:
-                    continue
+            for result in self._backend.receive(wait):
                 self._slots.accept(result)
                 outcome = self._outcome(result)
                 if outcome is not None:
                     return outcome
-
-    def _receive(self, reader: multiprocessing.connection.Connection) -> Result | None:
-        try:
-            result: Result = reader.recv()
-        except (EOFError, OSError):
-            # Its worker is gone (perhaps mid-write): stop reading it; the liveness check
-            # replaces the worker and re-issues its tasks.
-            self._results[self._results.index(reader)] = None
-            return None
-        except Exception:
-            # A result that cannot be unpickled: its worker died while handing over a new
-            # slot's file descriptor. The task is still pending and is re-issued with the
-            # worker's other tasks once its death is seen.
-            log.warning("dropped a result that could not be read", exc_info=True)
-            return None
-        return result
+            if time.monotonic() >= deadline:
+                return None
 
     def _outcome(self, result: Result) -> Outcome | None:
         pending = self._ledger.get(result.task_id)
@@ -333,8 +268,8 @@ class WorkerPool(SupervisedPool):
             raise WorkerInitError(result.error)
         now = self._ledger.complete(result.task_id, result.worker_id)
         stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
-        if self._tuner is not None:
-            self._tuner.made(result.finished_at - result.started_at, result.total_nbytes)
+        if self._resizer is not None:
+            self._resizer.made(result.finished_at - result.started_at, result.total_nbytes)
         if result.exhausted:
             # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
             self._active[result.worker_id] = False
@@ -362,48 +297,48 @@ class WorkerPool(SupervisedPool):
     def end_epoch(self) -> None:
         """Abandons what is still queued: workers skip it, and a result still in flight is
         recognised as stale by the next epoch's poll."""
-        self._current_epoch.value = -1
+        self._in_epoch = False
+        self._backend.set_epoch(-1)
         self._ledger.end_epoch()
-        self._failed.clear()
+        self._supervisor.clear()
+
+    # --- the size (the Resizer's, server/autotune.py: only ever the last worker goes) ------
+
+    @property
+    def active(self) -> list[bool]:
+        """Per worker: whether it is given tasks (False: drained, or its data ran dry)."""
+        return self._active
+
+    def holds(self, worker_id: int) -> bool:
+        return bool(self._ledger.held_by(worker_id))
+
+    def add_worker(self) -> None:
+        self.num_workers += 1  # the new worker's get_worker_info() says so
+        worker_id = self.num_workers - 1
+        self._spawn(worker_id)
+        self._resized()
+        if self._in_epoch:
+            self._backend.send(worker_id, self._epoch_start())
+
+    def remove_last(self) -> None:
+        self._backend.retire_last()
+        self._slots.forget(self._incarnations.pop())
+        self.num_workers -= 1
+        self._resized()
+
+    def _resized(self) -> None:
+        n = self.num_workers
+        self.max_outstanding = in_flight_bound(self.prefetch, n)
+        self._ledger.resize(n)
+        self._active = [True] * n
+        self._worker_cycle = itertools.cycle(range(n))
 
     def shutdown(self) -> None:
         """Stops the workers. See NOTE [ Pool Shutdown ]."""
         if self._closed:
             return
         self._closed = True
-        if self._current_epoch is not None:
-            self._current_epoch.value = -1
-        for q in self._index_queues:
-            with contextlib.suppress(OSError, ValueError):  # already closed
-                q.put(None)
-        self._workers += self._retired  # removed by autotuning: long gone, or going
-        self._retired = []
-        _join_all(self._workers, WORKER_JOIN_TIMEOUT)
-        late = [w for w in self._workers if w.is_alive()]
-        if late:
-            log.warning(
-                "worker pid(s) %s did not exit in %.0f s; terminating them",
-                ", ".join(str(w.pid) for w in late),
-                WORKER_JOIN_TIMEOUT,
-            )
-            for w in late:
-                w.terminate()
-            _join_all(late, 1.0)
-            for w in late:
-                if w.is_alive():
-                    w.kill()
-            _join_all(late, 1.0)
+        self._in_epoch = False
+        self._backend.set_epoch(-1)
+        self._backend.stop()
         self._slots.clear()
-        for q in self._index_queues:
-            q.cancel_join_thread()
-            q.close()
-        for reader in self._results:
-            if reader is not None:
-                reader.close()
-
-
-def _join_all(processes: list[multiprocessing.process.BaseProcess], seconds: float) -> None:
-    """Joins `processes` until all have exited or `seconds` have passed, in all."""
-    deadline = time.monotonic() + seconds
-    for p in processes:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,8 +1,8 @@
 """Supervision of a pool's workers, the part every pool backend shares: which tasks each worker
 holds, how often a worker died making each, what is re-issued after a death and what given up.
 
-A backend (server/pool.py: worker processes) notices dead and stuck workers and replaces them its
-own way; the TaskLedger here decides what that means for the epoch's tasks.
+A pool (server/pool.py's core, through its Supervisor; server/ray_pool.py) notices dead and stuck
+workers and replaces them; the TaskLedger here decides what that means for the epoch's tasks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MAX_TASK_ATTEMPTS = 3
 # NOTE [ Worker Failures ]
 #
 # The rules every pool backend applies; the backend notices and replaces workers (for worker
-# processes: NOTE [ Replacing a Worker Process ] in server/pool_supervision.py), the TaskLedger
+# processes: NOTE [ Replacing a Worker ] in server/pool_supervision.py), the TaskLedger
 # keeps the books the rules need.
 #
 # Detection (backend): every poll checks that each worker is alive at least every POLL_INTERVAL

@@ -216,6 +216,56 @@ class Fetcher:
         return self.collate_fn(data)
 
 
+class WorkerState:
+    """What one worker keeps across epochs, a worker process (`worker_loop`) or a Ray actor
+    (server/ray_actor.py) alike: its own dataset and collate_fn (built where they are used,
+    never pickled), whether worker_init_fn has run, and the current epoch's fetcher and
+    compressor. `init_error` is set once the dataset factory, the collate_fn or worker_init_fn
+    raised: every task is then answered with it (fatal), nothing more is tried.
+    """
+
+    def __init__(
+        self, spec: LoaderSpec, batching: Batching, worker_id: int, num_workers: int, where: str
+    ) -> None:
+        self.spec = spec
+        self.batching = batching
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.where = where  # names the worker in its errors
+        self.init_error: RemoteError | None = None
+        self.dataset: Any = None
+        self.collate_fn: Callable[[Any], Any] | None = None
+        self.fetcher: Fetcher | None = None
+        self.compressor: Compressor | None = None
+        self.initialized = False  # worker_init_fn has run (it runs once per worker)
+        try:
+            self.dataset = build_dataset(spec)
+            self.collate_fn = batching.collate_fn(spec)
+        except Exception as exc:
+            self.init_error = RemoteError.capture(where, exc)
+
+    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
+        """The worker's epoch start, as torch's _worker_loop does it: seed random, torch and
+        numpy from base_seed + worker_id, set get_worker_info() (an IterableDataset shards
+        itself by it), run worker_init_fn once, restart the dataset iterator; the epoch's
+        batches are compressed with `compression` ("": none)."""
+        if self.init_error is not None:
+            return
+        seed = seed_rngs(base_seed, self.worker_id)
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=self.worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
+        )
+        try:
+            if not self.initialized and self.spec.worker_init_fn:
+                resolve(self.spec.worker_init_fn, "worker_init_fn")(self.worker_id)
+            self.initialized = True
+            assert self.collate_fn is not None
+            self.fetcher = Fetcher(self.dataset, self.batching, self.collate_fn)
+            self.compressor = compressor_for(compression, self.compressor)
+        except Exception as exc:
+            self.init_error = RemoteError.capture(self.where, exc)
+
+
 # --- the worker process -------------------------------------------------------------------
 
 
@@ -250,20 +300,15 @@ def worker_loop(cfg: WorkerConfig) -> None:
     torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
     use_collate_buffers()  # NOTE [ Collating in process memory ] in server/collating.py
     parent_pid = os.getppid()
-    where = f"in DataLoader worker process {cfg.worker_id}"
-    init_error: RemoteError | None = None
-    fetcher: Fetcher | None = None
-    compressor: Compressor | None = None
-    dataset: Any = None
-    collate_fn: Callable[[Any], Any] | None = None
-    try:
-        dataset = build_dataset(cfg.spec)
-        collate_fn = cfg.batching.collate_fn(cfg.spec)
-    except Exception as exc:
-        init_error = RemoteError.capture(where, exc)
+    state = WorkerState(
+        cfg.spec,
+        cfg.batching,
+        cfg.worker_id,
+        cfg.num_workers,
+        f"in DataLoader worker process {cfg.worker_id}",
+    )
     slots = WorkerSlots()
     epoch_key = -1
-    initialized = False
     while True:
         try:
             msg = cfg.index_queue.get(timeout=MP_STATUS_CHECK_INTERVAL)
@@ -275,27 +320,13 @@ def worker_loop(cfg: WorkerConfig) -> None:
             return
         if isinstance(msg, EpochStart):
             epoch_key = msg.epoch_key
-            if init_error is not None:
-                continue
-            seed = seed_rngs(msg.base_seed, cfg.worker_id)
-            torch_worker._worker_info = torch_worker.WorkerInfo(
-                id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset
-            )
-            try:
-                if not initialized and cfg.spec.worker_init_fn:
-                    resolve(cfg.spec.worker_init_fn, "worker_init_fn")(cfg.worker_id)
-                initialized = True
-                assert collate_fn is not None
-                fetcher = Fetcher(dataset, cfg.batching, collate_fn)
-                compressor = compressor_for(msg.compression, compressor)
-            except Exception as exc:
-                init_error = RemoteError.capture(where, exc)
+            state.begin_epoch(msg.base_seed, msg.compression)
             continue
         slots.release(msg.released)
         if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:
             continue  # an abandoned epoch: the server no longer waits for this result
         cfg.current_task.value = msg.task_id
-        result = _run_task(cfg, msg, fetcher, slots, init_error, where, compressor)
+        result = _run_task(cfg, msg, state, slots)
         cfg.current_task.value = -1
         try:
             cfg.results.send(result)
@@ -345,15 +376,7 @@ def make_batch(
     return Made(encoded=encoded)
 
 
-def _run_task(
-    cfg: WorkerConfig,
-    task: Task,
-    fetcher: Fetcher | None,
-    slots: WorkerSlots,
-    init_error: RemoteError | None,
-    where: str,
-    compressor: Compressor | None,
-) -> Result:
+def _run_task(cfg: WorkerConfig, task: Task, state: WorkerState, slots: WorkerSlots) -> Result:
     started = time.monotonic()
 
     def base(**fields: Any) -> Result:
@@ -367,13 +390,19 @@ def _run_task(
             **fields,
         )
 
-    if init_error is not None:
-        return base(error=init_error, fatal=True)
-    assert fetcher is not None
+    if state.init_error is not None:
+        return base(error=state.init_error, fatal=True)
+    assert state.fetcher is not None
     # Compressed leaves are made apart from the slot: nothing to stack in place.
-    arena = slots.arena() if compressor is None else None
+    arena = slots.arena() if state.compressor is None else None
     made = make_batch(
-        fetcher, task.indices, task.seed, cfg.max_batch_bytes, where, compressor, arena
+        state.fetcher,
+        task.indices,
+        task.seed,
+        cfg.max_batch_bytes,
+        state.where,
+        state.compressor,
+        arena,
     )
     if made.encoded is None:
         if arena is not None:

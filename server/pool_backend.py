@@ -1,0 +1,81 @@
+"""The worker seam of the pool core (server/pool.py): where a pool's workers run and how
+messages reach them. The core owns everything else (tasks, slots, dispatch, supervision rules,
+autotuning); a backend only starts, stops, talks to and watches its workers.
+
+- ProcessBackend (server/pool_local.py): worker processes of this server, one index queue and
+  one result pipe each (NOTE [ Pool Protocol ] in server/pool.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from remote_loader.server.worker import EpochStart, Result, Task
+
+
+class WorkerBackend(Protocol):
+    """Workers 0..workers-1 of one pool. Called from the Run's thread only, as the core is."""
+
+    @property
+    def workers(self) -> int:
+        """How many workers it has (spawned and not retired)."""
+        ...
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes running the workers (for tests and logs)."""
+        ...
+
+    def start(self) -> None:
+        """Sets up what all workers share, before the first spawn."""
+        ...
+
+    def spawn(self, worker_id: int, num_workers: int) -> int:
+        """Starts worker `worker_id` of `num_workers` (a new one when `worker_id` == workers,
+        else the replacement of one discarded); returns its incarnation, which names its
+        shared-memory slots (server/slots.py)."""
+        ...
+
+    def send(self, worker_id: int, message: EpochStart | Task) -> None: ...
+
+    def set_epoch(self, key: int) -> None:
+        """The epoch the workers make tasks of (-1: none): they skip other epochs' tasks."""
+        ...
+
+    def receive(self, timeout: float) -> Iterator[Result]:
+        """Waits up to `timeout` seconds for results, then yields those that arrived (a
+        worker's unreadable or cut-off result is dropped: its death is seen by `alive`)."""
+        ...
+
+    def alive(self, worker_id: int) -> bool: ...
+
+    def making(self, worker_id: int) -> int:
+        """The task the worker says it is making (-1: none)."""
+        ...
+
+    def who(self, worker_id: int) -> str:
+        """Names the worker in logs and errors, e.g. "worker 2 (pid 123)"."""
+        ...
+
+    def death(self, worker_id: int) -> str:
+        """Why a worker that is not alive died, for logs and errors."""
+        ...
+
+    def kill(self, worker_id: int) -> None:
+        """Stops a stuck worker now (the next liveness check replaces it)."""
+        ...
+
+    def discard(self, worker_id: int) -> None:
+        """Drops a dead worker's channels: nothing more of it is read, nothing sent to it
+        is read by its replacement."""
+        ...
+
+    def retire_last(self) -> None:
+        """Lets the last worker go (autotuning): it exits after its current task, and is
+        joined at `stop`."""
+        ...
+
+    def stop(self) -> None:
+        """Stops every worker and frees the channels (NOTE [ Pool Shutdown ] in server/pool.py)."""
+        ...
