@@ -34,11 +34,10 @@ from remote_loader.server.pool_supervision import Supervisor
 from remote_loader.server.sampling import Batching
 from remote_loader.server.slots import SlotTable
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.supervision import MAX_TASK_ATTEMPTS, PendingTask, TaskLedger
+from remote_loader.server.supervision import PendingTask, TaskLedger
 from remote_loader.server.worker import EpochStart, Result, Task
 
-# MAX_TASK_ATTEMPTS is supervision's (server/supervision.py), importable from here as before.
-__all__ = ["MAX_TASK_ATTEMPTS", "WorkerPool"]
+__all__ = ["WorkerPool"]
 
 # NOTE [ Pool Protocol ]
 #

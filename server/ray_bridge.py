@@ -14,12 +14,12 @@ Run with an error naming ray_address and replaces the pool at the next epoch.
 Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
   server -> bridge  Begin(epoch_key, base_seed) | Send(worker_id, Task) | Kill(worker_id, why)
                     | None (stop)
-  bridge -> server  Started(nodes, actors) once connected, or Failed(message) and exit;
+  bridge -> server  Started(nodes, actors) once connected, or StartFailed(message) and exit;
                     then a Result (server/worker.py) per task, Lost(worker_id, reason) when
                     an actor died and was replaced (its tasks are the server's to re-issue),
                     Shortfall(worker_id, message) when that replacement has not started
                     within REPLACE_PATIENCE (NOTE [ Ray capacity lost ] in ray_pool.py), and
-                    Ready(worker_id) once it has started.
+                    Replaced(worker_id) once it has started.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
 A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
 
@@ -110,7 +110,7 @@ class Started:
 
 
 @dataclasses.dataclass(frozen=True)
-class Failed:
+class StartFailed:
     message: str
 
 
@@ -121,7 +121,7 @@ class Lost:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ready:
+class Replaced:
     """A replacement actor has started (its dataset built, its epoch begun)."""
 
     worker_id: int
@@ -130,7 +130,8 @@ class Ready:
 @dataclasses.dataclass(frozen=True)
 class Shortfall:
     """A replacement actor has not started within REPLACE_PATIENCE (`message`: the CPUs it
-    asks and those free): the server gives its tasks to the other actors until it is Ready."""
+    asks and those free): the server gives its tasks to the other actors until its Replaced
+    comes."""
 
     worker_id: int
     message: str
@@ -218,7 +219,7 @@ class _Bridge:
             generation = self.generations[worker_id]
             self.starting.add((worker_id, generation))
             # Placing an actor and starting its process takes seconds: the server's `timeout`
-            # for its tasks counts from when it is ready (Ready), not from the death.
+            # for its tasks counts from when it is ready (Replaced), not from the death.
             started.future().add_done_callback(
                 lambda f: self.done.put((worker_id, generation, _STARTED, f))
             )
@@ -317,7 +318,7 @@ class _Bridge:
             if isinstance(task, str):  # _STARTED
                 self.starting.discard((worker_id, generation))
                 if self.current(worker_id, generation) and future.exception() is None:
-                    self.cfg.results.send(Ready(worker_id))
+                    self.cfg.results.send(Replaced(worker_id))
                 continue  # a replacement that failed to start shows in its first task
             message = self.reply(worker_id, generation, task, future)
             if message is not None:
@@ -346,13 +347,13 @@ def bridge_main(cfg: BridgeConfig) -> None:
             cfg.address,
             spec.ray_runtime_env,
             [p for p in (*code, spec.worker_init_fn) if p],
-            lambda why: cfg.results.send(Failed(why)),
+            lambda why: cfg.results.send(StartFailed(why)),
         )
         bridge = _Bridge(cfg, inbox)
         wait_for_capacity(bridge.ray, cfg.spec.num_workers, cfg.spec.ray_num_cpus)
         started = bridge.start()
     except Exception as exc:
-        cfg.results.send(Failed(f"{type(exc).__name__}: {exc}"))
+        cfg.results.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     connected.set()
     cfg.results.send(started)

@@ -12,7 +12,7 @@ driver whose cluster went away spins reconnecting for `gcs_rpc_server_reconnect_
   watcher  (a thread of the bridge, started before Ray is imported) reads that pipe: EOF means
            the server is gone (killed, crashed) -> os._exit at once; None before the bridge
            is connected -> os._exit at once.
-  deadline (a thread, while connecting): no Ray answered within CONNECT_TIMEOUT -> Failed
+  deadline (a thread, while connecting): no Ray answered within CONNECT_TIMEOUT -> StartFailed
            naming ray_address, then os._exit.
   kernel   PR_SET_PDEATHSIG(SIGKILL): when its parent (the fork server) ends, so does the
            bridge; the bridge lets go of the fork server's liveness pipe so that the fork

@@ -55,14 +55,14 @@ from remote_loader.server.ray_bridge import (
     ACTOR_START_TIMEOUT,
     Begin,
     BridgeConfig,
-    Failed,
     Kill,
     Lost,
-    Ready,
+    Replaced,
     Resize,
     Send,
     Shortfall,
     Started,
+    StartFailed,
     bridge_main,
 )
 from remote_loader.server.sampling import Batching
@@ -122,9 +122,10 @@ class RayPool(Tuned):
         self._key = -1
         self._epoch_keys = iter(range(1 << 62))
         self._active: list[bool] = []
-        # Workers replaced and not yet Ready: `timeout` does not count for them yet.
+        # Workers replaced whose Replaced has not come yet: `timeout` does not count for them yet.
         self._starting: set[int] = set()
-        # Workers whose replacement cannot start (Shortfall), until Ready: they get no tasks.
+        # Workers whose replacement cannot start (Shortfall), until their Replaced comes: they
+        # get no tasks.
         self._short: set[int] = set()
         self._turn = 0
         self._closed = False
@@ -168,7 +169,7 @@ class RayPool(Tuned):
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
-                message = Failed("its Ray driver process exited while connecting")
+                message = StartFailed("its Ray driver process exited while connecting")
             if isinstance(message, Started):
                 self.nodes = message.nodes
                 log.info(
@@ -179,7 +180,7 @@ class RayPool(Tuned):
                     self.where,
                 )
                 return
-            problem = message.message if isinstance(message, Failed) else repr(message)
+            problem = message.message if isinstance(message, StartFailed) else repr(message)
         elif not ready:
             problem = f"no answer within {START_TIMEOUT:g} s"
         else:
@@ -284,7 +285,7 @@ class RayPool(Tuned):
         if isinstance(message, Lost):
             self._starting.add(message.worker_id)
             return self._lost(message)
-        if isinstance(message, Ready):
+        if isinstance(message, Replaced):
             self._starting.discard(message.worker_id)
             self._ledger.worker_ready(message.worker_id)
             if message.worker_id in self._short:
@@ -375,7 +376,7 @@ class RayPool(Tuned):
         """NOTE [ Ray capacity lost ]: a replacement that cannot start (no CPU free for it)
         leaves the pool short of a worker. A map-style dataset's tasks are anyone's: what it
         holds goes to the other workers at once, in submission order, and the epoch goes on
-        with fewer until its Ready. An IterableDataset shards itself by worker: without the
+        with fewer until its Replaced comes. An IterableDataset shards itself by worker: without the
         worker its share is lost, so its epoch ends with the error."""
         worker_id = short.worker_id
         if self.batching.is_iterable:
@@ -420,7 +421,7 @@ class RayPool(Tuned):
         )
         failed = self._ledger.timed_out(stuck, self.spec.timeout, f"Ray worker {stuck.worker_id}")
         self._command(Kill(stuck.worker_id, "timeout"))
-        # Its other tasks wait for the replacement (Lost, then Ready): not its timeout.
+        # Its other tasks wait for the replacement (Lost, then Replaced): not its timeout.
         self._starting.add(stuck.worker_id)
         return failed
 

@@ -20,8 +20,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader, RequestError
-from remote_loader.server.pool import MAX_TASK_ATTEMPTS, WorkerPool
+from remote_loader.server.pool import WorkerPool
 from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.supervision import MAX_TASK_ATTEMPTS
 from tests.conftest import (
     Served,
     ServeLoaders,
