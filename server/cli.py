@@ -21,10 +21,9 @@ from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import (
     ConfigError,
     LoaderSpec,
-    add_spec_arguments,
     read_config,
-    spec_from_args,
 )
+from remote_loader.server.spec_flags import add_spec_arguments, spec_from_args
 
 if TYPE_CHECKING:
     from remote_loader.server.host import LoaderHost

@@ -15,11 +15,10 @@ from remote_loader.server.host import LoaderHost
 from remote_loader.server.spec import (
     ConfigError,
     LoaderSpec,
-    add_spec_arguments,
     load_config,
     resolve,
-    spec_from_args,
 )
+from remote_loader.server.spec_flags import add_spec_arguments, spec_from_args
 from tests import datasets
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
