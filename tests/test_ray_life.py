@@ -33,7 +33,7 @@ from tests.conftest import (
     subprocess_env,
     wait_until,
 )
-from tests.test_ray import LOOPBACK, NODE, start_cluster
+from tests.test_ray import LOOPBACK, NODE, first_error, start_cluster
 
 
 def descendants(pid: int) -> set[int]:
@@ -145,18 +145,6 @@ def _cmdlines(pids: set[int]) -> list[str]:
     return out
 
 
-def _first_error(ray_address: str, spec: LoaderSpec) -> tuple[str, float]:
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
-    started = time.monotonic()
-    with (
-        Server(settings, [spec]) as server,
-        RemoteLoader(server.address, retries=0) as loader,
-        pytest.raises(RemoteLoaderError) as info,
-    ):
-        list(loader)
-    return str(info.value), time.monotonic() - started
-
-
 def ray_spec(**extra: Any) -> LoaderSpec:
     options: dict[str, Any] = {
         "name": "r",
@@ -173,7 +161,7 @@ def ray_spec(**extra: Any) -> LoaderSpec:
 def test_a_listener_that_is_not_ray_is_a_clear_error(answer: bytes | None) -> None:
     sock, address = listener(answer)
     with sock:
-        message, took = _first_error(address, ray_spec())
+        message, took = first_error(address, ray_spec())
     assert f"cannot use the Ray cluster at {address}" in message
     assert "does not answer as a Ray cluster" in message and "ray_address" in message
     print(f"not Ray ({answer!r}): error after {took:.1f} s")
@@ -182,7 +170,7 @@ def test_a_listener_that_is_not_ray_is_a_clear_error(answer: bytes | None) -> No
 
 @pytest.mark.timeout(90)
 def test_a_grpc_server_that_is_not_ray_is_a_clear_error(not_ray: str) -> None:
-    message, took = _first_error(not_ray, ray_spec())
+    message, took = first_error(not_ray, ray_spec())
     assert f"cannot use the Ray cluster at {not_ray}" in message
     assert "no Ray cluster answered ray.init within" in message and "ray_address" in message
     print(f"a gRPC server, not Ray: error after {took:.1f} s")
@@ -193,7 +181,7 @@ def test_a_grpc_server_that_is_not_ray_is_a_clear_error(not_ray: str) -> None:
 def test_a_cluster_without_free_cpus_says_what_is_missing() -> None:
     cluster = start_cluster(0)  # a head without CPUs, and no node
     try:
-        message, took = _first_error(cluster.address, ray_spec(num_workers=2, ray_num_cpus=1))
+        message, took = first_error(cluster.address, ray_spec(num_workers=2, ray_num_cpus=1))
     finally:
         cluster.shutdown()  # type: ignore[no-untyped-call]
     assert "num_workers=2 x ray_num_cpus=1 = 2 CPUs asked, 0 free of 0" in message
