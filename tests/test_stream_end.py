@@ -8,15 +8,17 @@ most of the last batch in the server's send buffer, as a slow trainer across a n
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
-from tests.conftest import ServeLoaders, assert_same, raw_stream, wait_until
+from tests.conftest import Served, ServeLoaders, assert_same, raw_stream, wait_until
 from tests.test_shm import expected, sizes_spec
 from tests.test_striping import data_sockets
 
@@ -38,39 +40,46 @@ def slow_connection(port: int, ticket: bytes) -> socket.socket:
     return sock
 
 
-def test_the_last_batch_outlives_its_stream_and_a_heartbeat_the_server_never_read(
-    serve_loaders: ServeLoaders,
-) -> None:
-    sizes = [10, 3_000_000]
-    served = serve_loaders(sizes_spec(sizes, num_workers=0))
+@contextlib.contextmanager
+def slow_stream(served: Served) -> Iterator[tuple[Iterator[pb.Frame], socket.socket, int]]:
+    """A raw tcp stream of `served`'s only loader with one slow_connection: its Frames after
+    the one handing out the ticket, the connection, and the server's data port."""
     port = served.server.data_port
     assert port is not None
     channel, call = raw_stream(served.address, pb.StreamRequest(tcp=True, data_connections=1))
     with channel:
         frames = iter(call)
-        sock = slow_connection(port, next(frames).tcp_channel.ticket)
-        with sock:
-            first = next(frames)
-            assert first.on_tcp and first.batch == 0
-            assert tcp.recv_into(sock, memoryview(bytearray(first.total_bytes)), lambda: False)
-            last = next(frames)
-            assert last.on_tcp and last.batch == 1
-            # A trainer whose queue is full beats before it reads: a byte the server has no
-            # reason to read (its send of the last batch went into its buffer at once).
-            tcp.beat(sock)
-            end = next(frames)
-            assert end.end.batches == 2
-            # The stream is over on the server (its handler returned, its sender closed) while
-            # nearly all of the last batch is still in the kernel: a close now would reset the
-            # connection and drop what the server's buffer holds.
-            assert wait_until(lambda: served.server.service.admission.running == 0, 10)
-            time.sleep(0.2)
-            data = bytearray(last.total_bytes)
-            assert tcp.recv_into(sock, memoryview(data), lambda: False)  # all of it
-            assert data[-sizes[1] :] == bytes([1]) * sizes[1]  # batch 1: bytes equal to 1
-            assert sock.recv(1) == b""  # then the server's FIN, not a reset
-        # Closed here: the server lets go of its end at once.
-        assert wait_until(lambda: data_sockets(port) == 0, 10)
+        with slow_connection(port, next(frames).tcp_channel.ticket) as sock:
+            yield frames, sock, port
+
+
+def test_the_last_batch_outlives_its_stream_and_a_heartbeat_the_server_never_read(
+    serve_loaders: ServeLoaders,
+) -> None:
+    sizes = [10, 3_000_000]
+    served = serve_loaders(sizes_spec(sizes, num_workers=0))
+    with slow_stream(served) as (frames, sock, port):
+        first = next(frames)
+        assert first.on_tcp and first.batch == 0
+        assert tcp.recv_into(sock, memoryview(bytearray(first.total_bytes)), lambda: False)
+        last = next(frames)
+        assert last.on_tcp and last.batch == 1
+        # A trainer whose queue is full beats before it reads: a byte the server has no
+        # reason to read (its send of the last batch went into its buffer at once).
+        tcp.beat(sock)
+        end = next(frames)
+        assert end.end.batches == 2
+        # The stream is over on the server (its handler returned, its sender closed) while
+        # nearly all of the last batch is still in the kernel: a close now would reset the
+        # connection and drop what the server's buffer holds.
+        assert wait_until(lambda: served.server.service.admission.running == 0, 10)
+        time.sleep(0.2)
+        data = bytearray(last.total_bytes)
+        assert tcp.recv_into(sock, memoryview(data), lambda: False)  # all of it
+        assert data[-sizes[1] :] == bytes([1]) * sizes[1]  # batch 1: bytes equal to 1
+        assert sock.recv(1) == b""  # then the server's FIN, not a reset
+    # Closed here: the server lets go of its end at once.
+    assert wait_until(lambda: data_sockets(port) == 0, 10)
 
 
 def test_a_client_that_never_closes_is_let_go_after_its_silence(
@@ -80,19 +89,13 @@ def test_a_client_that_never_closes_is_let_go_after_its_silence(
     served = serve_loaders(
         sizes_spec([10], num_workers=0), keepalive_time_ms=500, keepalive_timeout_ms=500
     )
-    port = served.server.data_port
-    assert port is not None
-    channel, call = raw_stream(served.address, pb.StreamRequest(tcp=True, data_connections=1))
-    with channel:
-        frames = iter(call)
-        sock = slow_connection(port, next(frames).tcp_channel.ticket)
-        with sock:
-            first = next(frames)
-            assert tcp.recv_into(sock, memoryview(bytearray(first.total_bytes)), lambda: False)
-            assert next(frames).end.batches == 1
-            assert data_sockets(port) == 2  # the server holds its end for the client ...
-            # ... which neither closes nor beats: it is let go after about a second.
-            assert wait_until(lambda: data_sockets(port) == 1, 10)
+    with slow_stream(served) as (frames, sock, port):
+        first = next(frames)
+        assert tcp.recv_into(sock, memoryview(bytearray(first.total_bytes)), lambda: False)
+        assert next(frames).end.batches == 1
+        assert data_sockets(port) == 2  # the server holds its end for the client ...
+        # ... which neither closes nor beats: it is let go after about a second.
+        assert wait_until(lambda: data_sockets(port) == 1, 10)
 
 
 @pytest.mark.parametrize("connections", [1, 3])
