@@ -1,4 +1,4 @@
-"""Physical ceilings of compare.py's transports, measured in the same run as the loaders.
+"""Physical ceilings of compare.py's transports, measured in the same rounds as the loaders.
 
 Each RemoteLoader transport is held against the most its medium moves on this machine at all,
 for buffers of one batch of the workload (its tensor bytes, what the GB/s columns count), on
@@ -6,7 +6,8 @@ loopback or, with compare.py --cross-host, between the namespaces of benchmarks/
 
 - **raw grpcio** (`grpc`): a grpcio unary-stream call of `bytes` messages of 4 MiB (the frame
   size RemoteLoader's server sends by default), no serializers, from a server process to this
-  process; GB/s per round of `batches` messages. One figure for every workload: gRPC moves a
+  process; GB/s per round of `batches` messages (a round right after each round of the
+  loaders: NOTE [ Ceilings beside the rows ]). One figure for every workload: gRPC moves a
   batch in such frames whatever its size.
 - **raw socket** (`tcp`): a sender process `sendall`s batch-sized buffers (filled, so that no
   zero page is sent) on one TCP connection (with compare.py --tls, one TLS connection, wrapped
@@ -35,6 +36,7 @@ the server namespace with --cross-host):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import signal
@@ -112,38 +114,105 @@ class Ceilings:
         return None
 
 
-def steps(workloads: int, rounds: int) -> int:
-    """Progress bar updates that `measure` makes."""
-    return (rounds + 1) * (1 + workloads) + workloads * (2 if torch.cuda.is_available() else 1)
+def steps(workloads: int) -> int:
+    """Progress bar updates that `Raw.ceilings` makes (the rounds update the caller's bar)."""
+    return workloads * (2 if torch.cuda.is_available() else 1)
 
 
-def measure(
-    batch_bytes: Mapping[str, int],
-    *,
-    batches: int,
-    rounds: int,
-    place: Placement,
-    bar: Bar,
-) -> Ceilings:
-    """Measures every ceiling; the raw servers run where `place` says."""
-    sizes = dict(batch_bytes)
-    grpc_rates = grpc_ceiling(batches, rounds, place, bar)
-    socket_rates = socket_ceiling(sizes, batches, rounds, place, bar)
-    memcpy_rates = {}
-    for name, nbytes in sizes.items():
-        bar.set_description(f"memcpy ceiling: {name}")
-        memcpy_rates[name] = memcpy_ceiling(nbytes)
-        bar.update()
-    h2d_rates = None
-    if torch.cuda.is_available():
-        h2d_rates = {}
+class Raw:
+    """The raw grpcio server and the raw socket sender (module doc), started once where `place`
+    says and measured one round at a time, right after the loaders' epochs of the same round.
+
+    NOTE [ Ceilings beside the rows ]: this machine is shared and its speed drifts by tens of
+    per cent from one minute to the next (the raw TLS socket alone: 0.47 to 0.78 GB/s over five
+    runs of compare.py at load 1-2). A ceiling measured after every loader had finished put a row
+    and its ceiling in different minutes, and the ratio moved with the machine (0.71 to 1.2 for
+    the same code). Measured in the same round as the row, both see the same minute; the
+    processes stay up between rounds, idle while the loaders run."""
+
+    def __init__(self, place: Placement) -> None:
+        self.place = place
+        self.grpc: list[float] = []
+        self.socket: dict[str, list[float]] = {}
+        self._buffers: dict[int, memoryview] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Raw:
+        place = self.place
+        with contextlib.ExitStack() as stack:
+            proc, port = _start("grpc-server", place)
+            stack.callback(stop_process, proc)
+            options = [("grpc.max_receive_message_length", 2 * RAW_MESSAGE_BYTES)]
+            target = f"{place.host}:{port}"
+            if place.tls is None:
+                channel = grpc.insecure_channel(target, options=options)
+            else:
+                ca = grpc.ssl_channel_credentials(place.tls.ca.read_bytes())
+                channel = grpc.secure_channel(target, ca, options=options)
+            stack.enter_context(channel)
+            # No serializers: bytes in, bytes out, as the server's generic handler.
+            self._call = channel.unary_stream(
+                RAW_METHOD, request_serializer=None, response_deserializer=None
+            )
+            proc, port = _start("socket-sender", place)
+            stack.callback(stop_process, proc)
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            tcp.tune(sock)  # before connecting, as the client's end of a data connection
+            sock.connect((place.host, port))
+            if place.tls is not None:  # as a TLS client's data connection
+                context = TLS(ca=place.tls.ca).data_context()
+                sock = stack.enter_context(context.wrap_socket(sock, server_hostname=place.host))
+            self._sock = sock
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def round(self, name: str, nbytes: int, batches: int, *, timed: bool = True) -> None:
+        """One round of each: `batches` raw grpcio messages, and raw socket buffers of `nbytes`
+        (a batch of workload `name`); kept unless not `timed` (a warm-up)."""
+        grpc_rate = self._grpc_round(batches)
+        socket_rate = self._socket_round(nbytes, max(batches, math.ceil(MIN_ROUND_BYTES / nbytes)))
+        if timed:
+            self.grpc.append(grpc_rate)
+            self.socket.setdefault(name, []).append(socket_rate)
+
+    def _grpc_round(self, batches: int) -> float:
+        start = time.perf_counter()
+        stream = self._call(str(batches).encode(), wait_for_ready=True, timeout=600)
+        nbytes = sum(len(m) for m in stream)
+        return nbytes / GB / (time.perf_counter() - start)
+
+    def _socket_round(self, nbytes: int, count: int) -> float:
+        if nbytes not in self._buffers:  # preallocated and touched, reused
+            self._buffers[nbytes] = memoryview(bytearray([1]) * nbytes)
+        view = self._buffers[nbytes]
+        start = time.perf_counter()
+        self._sock.sendall(REQUEST.pack(count, nbytes))
+        for _ in range(count):
+            if not _recv_exactly(self._sock, view):
+                raise RuntimeError("the raw socket sender closed the connection")
+        return count * nbytes / GB / (time.perf_counter() - start)
+
+    def ceilings(self, batch_bytes: Mapping[str, int], bar: Bar) -> Ceilings:
+        """The rounds' raw figures and, per workload, the copies measured now in this process."""
+        sizes = dict(batch_bytes)
+        memcpy_rates = {}
         for name, nbytes in sizes.items():
-            bar.set_description(f"host-to-device ceiling: {name}")
-            h2d_rates[name] = h2d_ceiling(nbytes)
+            bar.set_description(f"memcpy ceiling: {name}")
+            memcpy_rates[name] = memcpy_ceiling(nbytes)
             bar.update()
-    where = "loopback" if place.link is None else "between the namespaces"
-    tls = place.tls is not None
-    return Ceilings(where, sizes, grpc_rates, socket_rates, memcpy_rates, h2d_rates, tls)
+        h2d_rates = None
+        if torch.cuda.is_available():
+            h2d_rates = {}
+            for name, nbytes in sizes.items():
+                bar.set_description(f"host-to-device ceiling: {name}")
+                h2d_rates[name] = h2d_ceiling(nbytes)
+                bar.update()
+        where = "loopback" if self.place.link is None else "between the namespaces"
+        tls = self.place.tls is not None
+        return Ceilings(where, sizes, self.grpc, self.socket, memcpy_rates, h2d_rates, tls)
 
 
 def _start(role: str, place: Placement) -> tuple[subprocess.Popen[str], int]:
@@ -187,39 +256,6 @@ def grpc_server(host: str, tls: Sequence[str] | None = None) -> int:
     return 0
 
 
-def grpc_ceiling(batches: int, rounds: int, place: Placement, bar: Bar) -> list[float]:
-    """GB/s of `batches` raw messages per round from a `grpc-server` process."""
-    bar.set_description("raw grpcio: starting the server")
-    proc, port = _start("grpc-server", place)
-    rates = []
-    try:
-        options = [("grpc.max_receive_message_length", 2 * RAW_MESSAGE_BYTES)]
-        target = f"{place.host}:{port}"
-        if place.tls is None:
-            channel = grpc.insecure_channel(target, options=options)
-        else:
-            ca = grpc.ssl_channel_credentials(place.tls.ca.read_bytes())
-            channel = grpc.secure_channel(target, ca, options=options)
-        with channel:
-            # No serializers: bytes in, bytes out, as the server's generic handler.
-            call = channel.unary_stream(
-                RAW_METHOD, request_serializer=None, response_deserializer=None
-            )
-            request = str(batches).encode()
-            for round_ in range(rounds + 1):  # round 0 is the warm-up
-                bar.set_description(
-                    f"raw grpcio: round {round_}/{rounds}" if round_ else "raw grpcio: warm-up"
-                )
-                start = time.perf_counter()
-                nbytes = sum(len(m) for m in call(request, wait_for_ready=True, timeout=600))
-                if round_:
-                    rates.append(nbytes / GB / (time.perf_counter() - start))
-                bar.update()
-    finally:
-        stop_process(proc)
-    return rates
-
-
 # --- raw socket ----------------------------------------------------------------------------------
 
 
@@ -257,39 +293,6 @@ def socket_sender(host: str, tls: Sequence[str] | None = None) -> int:
             for _ in range(count):
                 conn.sendall(view)
     return 0
-
-
-def socket_ceiling(
-    sizes: Mapping[str, int], batches: int, rounds: int, place: Placement, bar: Bar
-) -> dict[str, list[float]]:
-    """GB/s per round, per workload, from a `socket-sender` process into this one."""
-    bar.set_description("raw socket: starting the sender")
-    proc, port = _start("socket-sender", place)
-    rates: dict[str, list[float]] = {}
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            tcp.tune(sock)  # before connecting, as the client's end of a data connection
-            sock.connect((place.host, port))
-            if place.tls is not None:  # as a TLS client's data connection
-                context = TLS(ca=place.tls.ca).data_context()
-                sock = context.wrap_socket(sock, server_hostname=place.host)
-            for name, nbytes in sizes.items():
-                view = memoryview(bytearray([1]) * nbytes)  # preallocated and touched, reused
-                count = max(batches, math.ceil(MIN_ROUND_BYTES / nbytes))
-                rates[name] = []
-                for round_ in range(rounds + 1):  # round 0 is the warm-up
-                    bar.set_description(f"raw socket: {name}, round {round_}/{rounds}")
-                    start = time.perf_counter()
-                    sock.sendall(REQUEST.pack(count, nbytes))
-                    for _ in range(count):
-                        if not _recv_exactly(sock, view):
-                            raise RuntimeError("the raw socket sender closed the connection")
-                    if round_:
-                        rates[name].append(count * nbytes / GB / (time.perf_counter() - start))
-                    bar.update()
-    finally:
-        stop_process(proc)
-    return rates
 
 
 # --- copies in this process ------------------------------------------------------------------

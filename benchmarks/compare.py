@@ -28,7 +28,8 @@ and "cores busy" (client + server CPU s / wall s of those epochs: 2.0 here means
 this machine were spent on the loader and its consumer), and the transport each remote loader
 reported in `stats().transport`.
 
-Ceilings (benchmarks/ceilings.py, measured after the loaders, in the same run): a raw grpcio
+Ceilings (benchmarks/ceilings.py; the raw ones measured in every round, right after the
+loaders' epochs, so that a row and its ceiling see the same minute of the machine): a raw grpcio
 stream of 4 MiB `bytes` messages (for `grpc`), a raw TCP socket moving batch-sized buffers
 between two processes with `sendall` / `recv_into` (for `tcp`), `np.copyto` of one batch into
 another buffer (for `shm`), and, with CUDA, pinned host-to-device copies of one batch (skipped
@@ -188,8 +189,11 @@ class Workload:
     logged: collections.Counter[str]
 
 
-def compare(name: str, args: argparse.Namespace, place: Placement, bar: tqdm[Any]) -> Workload:
-    """Warm-up, then `args.rounds` alternating epochs of each loader of workload `name`."""
+def compare(
+    name: str, args: argparse.Namespace, place: Placement, raw: ceilings.Raw, bar: tqdm[Any]
+) -> Workload:
+    """Warm-up, then `args.rounds` alternating epochs of each loader of workload `name`, each
+    round followed by one of the `raw` ceilings (the first also by their untimed warm-up)."""
     path = WORKLOADS[name]
     kwargs = dataset_kwargs(name, args)
     step = train_step if args.train_step else touch
@@ -255,6 +259,12 @@ def compare(name: str, args: argparse.Namespace, place: Placement, bar: tqdm[Any
                     sides[label].timed_epoch(loader, workers_cpu, workers, step)
                 else:
                     sides[label].timed_epoch(loader, served_cpu, served, step)
+                bar.update()
+            local = sides["local"]
+            batch_bytes = -(-local.epochs[-1].nbytes // local.epochs[-1].batches)
+            for timed in [False, True] if r == 1 else [True]:
+                epoch(f"round {r}/{args.rounds}, raw ceilings" + " (warm-up)" * (not timed))
+                raw.round(name, batch_bytes, args.batches, timed=timed)
                 bar.update()
     finally:
         for remote_loader in remote_loaders.values():
@@ -391,18 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cross_host:
             print("no shm row: the server's /dev/shm is private, as on another host\n", flush=True)
         labels = loaders_for(args.cross_host)
-        # Warm-ups and rounds of every loader of every workload, then the ceilings.
-        total = len(names) * len(labels) * (args.rounds + 1)
-        total += ceilings.steps(len(names), args.rounds)
-        with tqdm(total=total, unit="epoch", file=sys.stderr, leave=False) as bar:
-            results = {name: compare(name, args, place, bar) for name in names}
-            top = ceilings.measure(
-                {name: result.batch_bytes for name, result in results.items()},
-                batches=args.batches,
-                rounds=args.rounds,
-                place=place,
-                bar=bar,
-            )
+        # Warm-ups and rounds of every loader and the raw ceilings of every workload, then the
+        # copies' ceilings.
+        total = len(names) * (len(labels) + 1) * (args.rounds + 1) + ceilings.steps(len(names))
+        with (
+            tqdm(total=total, unit="epoch", file=sys.stderr, leave=False) as bar,
+            ceilings.Raw(place) as raw,
+        ):
+            results = {name: compare(name, args, place, raw, bar) for name in names}
+            top = raw.ceilings({name: r.batch_bytes for name, r in results.items()}, bar)
     finally:
         if place.link is not None:
             place.link.close()
