@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import use_collate_buffers
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
@@ -46,6 +47,7 @@ class RayWorker:
         max_batch_bytes: int,
     ) -> None:
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
+        settle_allocator()  # NOTE [ Worker allocator ] in server/allocator.py
         # NOTE [ Collating in process memory ] in server/collating.py: a batch leaves as a blob.
         use_collate_buffers()
         self.max_batch_bytes = max_batch_bytes

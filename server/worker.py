@@ -23,6 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 from remote_loader.protos import codec
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.protos.compression import Compressor, compressor_for
+from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import Arena, WorkerSlots, stacking_into, use_collate_buffers
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
@@ -298,6 +299,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     # Ctrl-C belongs to the server, which shuts the pool down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the processes
+    settle_allocator()  # NOTE [ Worker allocator ] in server/allocator.py
     use_collate_buffers()  # NOTE [ Collating in process memory ] in server/collating.py
     parent_pid = os.getppid()
     state = WorkerState(

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
-    """`remote-loader serve ARGS` on port 0 as a process; returns it and its address."""
-    env = subprocess_env()  # workers import tests.datasets
+def serve_process(*args: str, env: Mapping[str, str] = {}) -> tuple[subprocess.Popen[str], str]:
+    """`remote-loader serve ARGS` on port 0 as a process, `env` added to this environment;
+    returns it and its address."""
+    env = subprocess_env(**env)  # workers import tests.datasets
     proc, port = spawn_serve(args, env=env, stderr=subprocess.PIPE)
     return proc, f"127.0.0.1:{port}"
 

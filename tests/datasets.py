@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -379,6 +380,23 @@ class Gated(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class Faults(Dataset[int]):
+    """Each sample allocates, fills and frees a 1 MiB tensor 8 times and is the minor page faults
+    that took in the process that made it (NOTE [ Worker allocator ] in server/allocator.py)."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(8):
+            torch.empty(1 << 20, dtype=torch.uint8).fill_(1)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 class Threads(Dataset[torch.Tensor]):
