@@ -9,8 +9,8 @@ share IPC), a stream can skip all of that:
 
     client                                    server
     ------                                    ------
-    Probe: /dev/shm/rl-probe-<hex> holding    opens it (O_NOFOLLOW, a regular file, only that
-    a random nonce; offered in the            name pattern), compares the nonce, unlinks it.
+    Probe (protos/shm_probe.py): rl-probe-<hex>   opens it (O_NOFOLLOW, a regular file, only that
+    in /dev/shm with a random nonce; in the   name pattern), compares the nonce, unlinks it.
     StreamRequest (ShmOffer)                  Equal: the two share /dev/shm, use shm.
                                               Anything else: plain Frames, as without an offer.
                                               Ring: /dev/shm/rl-ring-<hex>, created after the
@@ -41,7 +41,7 @@ still finds it. If the client never opens it, the server unlinks it when the str
 server is killed before that, its resource tracker (a separate process, outliving it) unlinks
 it. The probe is unlinked by the server when it reads it and by
 the client when the stream's first message or error arrives, whichever comes first.
-See NOTE [ Stale probes ] for a client killed in between.
+See NOTE [ Stale probes ] in protos/shm_probe.py for a client killed in between.
 
 The ring is the fallback of a faster way: a client that also shares the server's pid namespace
 and user reads each batch in its worker's slot, and the server copies nothing; its stream's ring
@@ -90,14 +90,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hmac
 import mmap
 import os
 import re
 import secrets
-import stat
 import struct
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -107,13 +104,11 @@ import numpy as np
 from remote_loader.protos import doorbell
 
 SHM_DIR = "/dev/shm"
-PROBE_PREFIX = "rl-probe-"
 RING_PREFIX = "rl-ring-"
-# A client names files the server opens: only these exact shapes are accepted, so no request
-# can point the server at anything else (no "/", no "..", fixed length).
-_PROBE_NAME = re.compile(r"rl-probe-[0-9a-f]{32}")
+# A client names the ring the server opens: only this exact shape is accepted, so no request
+# can point the server at anything else (no "/", no "..", fixed length; the probe's in
+# protos/shm_probe.py).
 _RING_NAME = re.compile(r"rl-ring-[0-9a-f]{32}")
-NONCE_BYTES = 16
 
 # Ring layout: [0, 8) the consumed cursor, [8, 16) the attached flag (the client has mapped the
 # ring), [16, 24) the client's heartbeat, [24] the client rings the doorbell (NOTE [ Doorbell ]
@@ -149,129 +144,15 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
 
 
-def _path(name: str) -> str:
+def segment_path(name: str) -> str:
+    """Where the segment (ring, doorbell, probe) called `name` lives."""
     return os.path.join(SHM_DIR, name)
 
 
-def _unlink(name: str) -> None:
+def unlink_segment(name: str) -> None:
+    """Removes segment `name`, if it is still there."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(_path(name))
-
-
-# --- the probe: do client and server see the same /dev/shm? -------------------------------
-
-# NOTE [ Stale probes ]
-#
-# A client killed between making its probe and its stream's first message leaves the file:
-# nothing it owned outlives it to unlink it (a probe is not registered with the resource
-# tracker: the server, not the client, must be able to unlink it first). So whoever next
-# probes on that /dev/shm, a client making its probe or a server reading one, unlinks the
-# probe files older than PROBE_STALE_AFTER. A probe lives for one request's round trip, so a
-# probe that old is a dead client's; were it a live client's stuck that long, the server would
-# find it gone and the stream would go over gRPC or TCP instead, as without shared memory.
-# Age, not the creator's pid: the name carries no pid, and the pid a request names is only
-# readable by a server in the client's pid namespace. Another user's probe cannot be unlinked
-# (/dev/shm is sticky) and is left to a process of that user (or root).
-PROBE_STALE_AFTER = 60.0
-
-
-def sweep_stale_probes(now: float | None = None) -> list[str]:
-    """Unlinks the probe files last written more than PROBE_STALE_AFTER seconds before `now`
-    (time.time()); returns their names (see NOTE [ Stale probes ])."""
-    now = time.time() if now is None else now
-    swept: list[str] = []
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if _PROBE_NAME.fullmatch(n)]
-    except OSError:
-        return swept
-    for name in names:
-        try:
-            st = os.stat(_path(name), follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > PROBE_STALE_AFTER:
-                os.unlink(_path(name))
-                swept.append(name)
-        except OSError:  # gone meanwhile, or another user's
-            continue
-    return swept
-
-
-class Probe:
-    """The client's half of the negotiation: a small file only a process sharing /dev/shm reads.
-
-    The probe stays open (`fd`) until `remove()`: a server that also finds it under
-    /proc/<pid>/fd/<fd> shares this process's pid namespace (NOTE [ Zero-copy slots ] in
-    protos/slots.py). `remove()` is idempotent and safe to call from any thread.
-    """
-
-    def __init__(self) -> None:
-        sweep_stale_probes()  # NOTE [ Stale probes ]
-        self.name = PROBE_PREFIX + secrets.token_hex(16)
-        self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.pid = os.getpid()
-        self._lock = threading.Lock()
-        try:
-            # Readable by all: a server running as another user must read it (the nonce proves
-            # only that the two share /dev/shm; it guards nothing).
-            fd = os.open(_path(self.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise ShmUnavailable(f"cannot create {_path(self.name)}: {exc}") from exc
-        try:
-            os.fchmod(fd, 0o644)  # not narrowed by the umask
-            os.write(fd, self.nonce)
-        except OSError as exc:
-            os.close(fd)
-            _unlink(self.name)
-            raise ShmUnavailable(f"cannot write {_path(self.name)}: {exc}") from exc
-        self.fd: int | None = fd
-
-    def remove(self) -> None:
-        with self._lock:
-            fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-        _unlink(self.name)
-
-
-def can_share_with(uid: int) -> bool:
-    """Whether a ring this process makes (mode 0600) can be opened by a client running as `uid`.
-
-    Yes for the same user, for a root client, and for a root server (which gives the ring to
-    the client's user).
-    """
-    me = os.geteuid()
-    return uid in (me, 0) or me == 0
-
-
-def verify_probe(name: str, nonce: bytes) -> int | None:
-    """The server's half: the probe owner's uid if `name` holds `nonce`, else None."""
-    st = read_probe(name, nonce)
-    return None if st is None else st.st_uid
-
-
-def read_probe(name: str, nonce: bytes) -> os.stat_result | None:
-    """The probe file's status if `name` holds `nonce`, else None.
-
-    Removes the probe either way. Never follows a link, reads only a regular file of the exact
-    size, and compares in constant time.
-    """
-    if not _PROBE_NAME.fullmatch(name) or len(nonce) != NONCE_BYTES:
-        return None
-    sweep_stale_probes()  # NOTE [ Stale probes ]
-    try:
-        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None  # another host, another IPC namespace, or another user's file
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != NONCE_BYTES:
-            return None
-        content = os.read(fd, NONCE_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-        _unlink(name)
-    return st if hmac.compare_digest(content, nonce) else None
+        os.unlink(segment_path(name))
 
 
 # --- the ring ------------------------------------------------------------------------------
@@ -312,9 +193,9 @@ def create_segment(name: str, size: int, owner_uid: int | None = None) -> mmap.m
     A root process gives the file to `owner_uid` (the client's user). Raises ShmUnavailable.
     """
     try:
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise ShmUnavailable(f"cannot create {_path(name)}: {exc}") from exc
+        raise ShmUnavailable(f"cannot create {segment_path(name)}: {exc}") from exc
     # From here the name exists: the resource tracker unlinks it if this process dies before
     # forget_segment does (the name it expects is shm_open's, with a leading slash).
     resource_tracker.register("/" + name, "shared_memory")
@@ -329,7 +210,7 @@ def create_segment(name: str, size: int, owner_uid: int | None = None) -> mmap.m
                     f"no room in {SHM_DIR} for {size} bytes ({exc.strerror}); raise the "
                     "container's shm_size, or lower max_ring_bytes"
                 ) from exc
-            raise ShmUnavailable(f"cannot size {_path(name)}: {exc}") from exc
+            raise ShmUnavailable(f"cannot size {segment_path(name)}: {exc}") from exc
         if owner_uid is not None and os.geteuid() == 0 and owner_uid != 0:
             # A root server serving a non-root client: the file must be the client's to open.
             os.fchown(fd, owner_uid, -1)
@@ -343,7 +224,7 @@ def create_segment(name: str, size: int, owner_uid: int | None = None) -> mmap.m
 
 def forget_segment(name: str) -> None:
     """Unlinks /dev/shm/`name` (if still there) and takes it off the resource tracker's list."""
-    _unlink(name)
+    unlink_segment(name)
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
@@ -443,9 +324,10 @@ class RingReader:
         self.name = name
         self.capacity = capacity
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(segment_path(name), os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
-            raise ShmUnavailable(f"cannot open the server's ring {_path(name)}: {exc}") from exc
+            where = segment_path(name)
+            raise ShmUnavailable(f"cannot open the server's ring {where}: {exc}") from exc
         try:
             size = os.fstat(fd).st_size
             if size != RING_HEADER + capacity:
@@ -455,11 +337,11 @@ class RingReader:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-            _unlink(name)  # both mappings keep it alive now; nothing is left to clean up
+            unlink_segment(name)  # both mappings keep it alive now; nothing is left to clean up
         self._mm[_ATTACHED_AT] = 1
         self._ringer: doorbell.Ringer | None = None
         try:
-            self._ringer = doorbell.Ringer(_path(_bell_name(name)))
+            self._ringer = doorbell.Ringer(segment_path(_bell_name(name)))
             self._mm[_RINGS_AT] = 1
         except OSError:
             pass  # an older server, or no socket it can reach: it polls the cursor

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, wire
+from remote_loader.protos import shm, shm_probe, wire
 from remote_loader.server.elastic import (
     MAX_RESHARD_RANKS,
     Reshard,
@@ -359,8 +359,8 @@ def _killed_clients_probe() -> str:
     """The name of a probe whose client was SIGKILLed before its stream began."""
     code = (
         "import os, signal\n"
-        "from remote_loader.protos import shm\n"
-        "probe = shm.Probe()\n"
+        "from remote_loader.protos import shm_probe\n"
+        "probe = shm_probe.Probe()\n"
         "print(probe.name, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -383,7 +383,7 @@ def test_a_killed_clients_probe_is_swept_by_the_next_client(serve_loaders: Serve
     served = serve_loaders(SQUARES)
     stale, fresh = _killed_clients_probe(), _killed_clients_probe()
     try:
-        _age(stale, shm.PROBE_STALE_AFTER + 5)  # as if it had been left a while ago
+        _age(stale, shm_probe.PROBE_STALE_AFTER + 5)  # as if it had been left a while ago
         with RemoteLoader(served.address, "sq") as loader:
             assert len(list(loader)) == 10
         assert not os.path.exists(os.path.join(shm.SHM_DIR, stale))
@@ -398,12 +398,12 @@ def test_a_killed_clients_probe_is_swept_by_the_next_client(serve_loaders: Serve
 def test_the_server_sweeps_stale_probes_when_it_reads_one() -> None:
     stale = _killed_clients_probe()
     try:
-        _age(stale, shm.PROBE_STALE_AFTER + 5)
-        live = shm.Probe()  # ... which sweeps as well: make the stale one again after it
+        _age(stale, shm_probe.PROBE_STALE_AFTER + 5)
+        live = shm_probe.Probe()  # ... which sweeps as well: make the stale one again after it
         live.remove()
-        Path(shm.SHM_DIR, stale).write_bytes(b"\0" * shm.NONCE_BYTES)
-        _age(stale, shm.PROBE_STALE_AFTER + 5)
-        assert shm.read_probe("rl-probe-" + "0" * 32, b"\0" * shm.NONCE_BYTES) is None
+        Path(shm.SHM_DIR, stale).write_bytes(b"\0" * shm_probe.NONCE_BYTES)
+        _age(stale, shm_probe.PROBE_STALE_AFTER + 5)
+        assert shm_probe.read_probe("rl-probe-" + "0" * 32, b"\0" * shm_probe.NONCE_BYTES) is None
         assert not os.path.exists(os.path.join(shm.SHM_DIR, stale))
     finally:
         Path(shm.SHM_DIR, stale).unlink(missing_ok=True)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.protos import doorbell, shm
+from remote_loader.protos import doorbell, shm, shm_probe
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import (
@@ -64,19 +64,19 @@ def _no_ring_left_behind() -> Iterator[None]:
 
 @pytest.mark.unit
 def test_a_probe_proves_a_shared_dev_shm_and_is_removed() -> None:
-    probe = shm.Probe()
+    probe = shm_probe.Probe()
     assert os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
-    assert shm.verify_probe(probe.name, probe.nonce) == os.geteuid()
+    assert shm_probe.verify_probe(probe.name, probe.nonce) == os.geteuid()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, probe.name))
     probe.remove()  # idempotent
 
 
 @pytest.mark.unit
 def test_a_wrong_nonce_or_a_missing_probe_is_refused() -> None:
-    probe = shm.Probe()
-    assert shm.verify_probe(probe.name, bytes(shm.NONCE_BYTES)) is None
+    probe = shm_probe.Probe()
+    assert shm_probe.verify_probe(probe.name, bytes(shm_probe.NONCE_BYTES)) is None
     assert not os.path.exists(os.path.join(shm.SHM_DIR, probe.name))  # removed either way
-    assert shm.verify_probe(probe.name, probe.nonce) is None  # gone: another host, in effect
+    assert shm_probe.verify_probe(probe.name, probe.nonce) is None  # gone: another host, in effect
 
 
 @pytest.mark.parametrize(
@@ -90,19 +90,19 @@ def test_a_wrong_nonce_or_a_missing_probe_is_refused() -> None:
 )
 @pytest.mark.unit
 def test_the_server_opens_only_probe_shaped_names(name: str) -> None:
-    assert shm.verify_probe(name, bytes(shm.NONCE_BYTES)) is None
+    assert shm_probe.verify_probe(name, bytes(shm_probe.NONCE_BYTES)) is None
 
 
 @pytest.mark.unit
 def test_a_probe_that_is_a_link_is_not_followed(tmp_path: Any) -> None:
     target = tmp_path / "secret"
-    nonce = os.urandom(shm.NONCE_BYTES)
+    nonce = os.urandom(shm_probe.NONCE_BYTES)
     target.write_bytes(nonce)
     name = "rl-probe-" + "ab" * 16
     link = os.path.join(shm.SHM_DIR, name)
     os.symlink(target, link)
     try:
-        assert shm.verify_probe(name, nonce) is None
+        assert shm_probe.verify_probe(name, nonce) is None
     finally:
         if os.path.lexists(link):
             os.unlink(link)
@@ -372,8 +372,8 @@ def test_a_ring_the_client_cannot_open_falls_back_without_losing_a_batch(
     assert_same(rest, expected(sizes))
 
 
-def offer() -> tuple[shm.Probe, pb.StreamRequest]:
-    probe = shm.Probe()
+def offer() -> tuple[shm_probe.Probe, pb.StreamRequest]:
+    probe = shm_probe.Probe()
     request = pb.StreamRequest(shm=pb.ShmOffer(probe=probe.name, nonce=probe.nonce))
     return probe, request
 
@@ -472,14 +472,14 @@ def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: Se
 @pytest.mark.unit
 def test_the_server_shares_rings_only_with_a_user_that_can_open_them() -> None:
     me = os.geteuid()
-    assert shm.can_share_with(me)
-    assert shm.can_share_with(0)  # a root client opens any ring
-    assert shm.can_share_with(me + 1) == (me == 0)  # a root server gives the ring away
+    assert shm_probe.can_share_with(me)
+    assert shm_probe.can_share_with(0)  # a root client opens any ring
+    assert shm_probe.can_share_with(me + 1) == (me == 0)  # a root server gives the ring away
 
 
 @pytest.mark.unit
 def test_a_probe_is_readable_by_a_server_running_as_another_user() -> None:
-    probe = shm.Probe()
+    probe = shm_probe.Probe()
     try:
         assert os.stat(os.path.join(shm.SHM_DIR, probe.name)).st_mode & 0o777 == 0o644
     finally:

@@ -25,8 +25,8 @@ from remote_loader.protos import loader_pb2 as pb
 
 # Aliased: importing this package's own `shm` submodule binds the name `shm` here to it.
 from remote_loader.protos import shm as shm_protocol
+from remote_loader.protos import shm_probe, wire
 from remote_loader.protos import slots as slot_protocol
-from remote_loader.protos import wire
 
 __all__ = [
     "BatchReused",
@@ -98,11 +98,11 @@ class Transports:
             self._tcp_host = None
             self._on_tcp_failed()
 
-    def _probe(self) -> shm_protocol.Probe | None:
+    def _probe(self) -> shm_probe.Probe | None:
         if not self._use_shm:
             return None
         try:
-            return shm_protocol.Probe()
+            return shm_probe.Probe()
         except shm_protocol.ShmUnavailable as exc:
             log.info("%s: no shared memory here (%s); streaming over gRPC", self._what, exc)
             self._use_shm = False
@@ -125,7 +125,7 @@ class StreamEnds:
     def __init__(
         self,
         what: str,
-        probe: shm_protocol.Probe | None,
+        probe: shm_probe.Probe | None,
         tcp_host: str | None,
         stopped: Callable[[], bool],
         slot_maps: slot_protocol.SlotMaps | None = None,

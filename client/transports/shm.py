@@ -10,7 +10,7 @@ from remote_loader.client.assembly import Assembly
 from remote_loader.client.errors import ProtocolError
 from remote_loader.client.transports.base import BatchReused, TransportUnusable
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, slots
+from remote_loader.protos import shm, shm_probe, slots
 
 
 class ShmEnd:
@@ -26,7 +26,7 @@ class ShmEnd:
     name = "shm"
 
     def __init__(
-        self, what: str, probe: shm.Probe | None, slot_maps: slots.SlotMaps | None = None
+        self, what: str, probe: shm_probe.Probe | None, slot_maps: slots.SlotMaps | None = None
     ) -> None:
         self._what = what
         self._probe = probe

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, slots, wire
+from remote_loader.protos import shm, shm_probe, slots, wire
 from remote_loader.server.errors import ClientSilent
 from remote_loader.server.outgoing import Outgoing
 from remote_loader.server.transports.base import (
@@ -39,8 +39,8 @@ def accept_offer(
     lets clients that can map its workers' slots do so."""
     if not offer.probe or max_ring_bytes <= 0 or not shm.available():
         return None
-    probe = shm.read_probe(offer.probe, offer.nonce)
-    if probe is None or not shm.can_share_with(probe.st_uid):
+    probe = shm_probe.read_probe(offer.probe, offer.nonce)
+    if probe is None or not shm_probe.can_share_with(probe.st_uid):
         return None  # another host, or a user that could not open this server's rings
     # The client may open this process's descriptors: it is the same user (not merely one this
     # server may give a ring to), and the pid it named holds the probe as seen from here.
