@@ -23,9 +23,9 @@ Batches stay identical whatever the count because autotuning requires seeding = 
 IterableDataset shards by worker count). A worker that joins sees get_worker_info() with the
 count of the moment; workers already running keep the count they started with.
 
-Applied by a Resizer: in the local pool (server/pool.py: worker processes) and the Ray pool
-(server/ray_pool.py, through Tuned: actors, through the bridge's Resize); only the last worker
-is removed, once it holds no task, so worker ids stay 0..n-1.
+Applied by a Resizer, part of the pool core (server/pool.py) whatever runs the workers
+(processes, or Ray actors); only the last worker is removed, once it holds no task, so worker
+ids stay 0..n-1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from typing import Protocol
 from remote_loader.server.engine import in_flight_bound
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.supervision import TaskLedger
 
 log = logging.getLogger(__name__)
 
@@ -153,46 +152,6 @@ class Resizer:
             pool.max_outstanding = in_flight_bound(pool.prefetch, last)
             target = last
         log_decision(self._loader, self._metrics, decision, target)
-
-
-class Tuned:
-    """The Ray pool's hold on the Resizer (server/ray_pool.py, which does not use the pool core
-    of server/pool.py yet): a pool supplies `_add_worker` and `_remove_last`, and calls `_tune`
-    from its poll. Goes once RayPool is a WorkerBackend of that core."""
-
-    spec: LoaderSpec
-    num_workers: int
-    prefetch: int
-    max_outstanding: int
-    _ledger: TaskLedger
-    _active: list[bool]
-    _metrics: LoaderMetrics
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._ledger)
-
-    @property
-    def active(self) -> list[bool]:
-        return self._active
-
-    def holds(self, worker_id: int) -> bool:
-        return bool(self._ledger.held_by(worker_id))
-
-    def add_worker(self) -> None:
-        self._add_worker()
-
-    def remove_last(self) -> None:
-        self._remove_last()
-
-    def _add_worker(self) -> None:
-        raise NotImplementedError
-
-    def _remove_last(self) -> None:
-        raise NotImplementedError
-
-    def _tune(self, tuner: WorkerTuner) -> None:
-        Resizer(tuner, self.spec.name, self._metrics).tune(self)
 
 
 def host_idle_cores() -> Callable[[], float | None]:

@@ -5,11 +5,12 @@ lifetime (start / shutdown) and a description for Describe and the metrics. The 
 reordering, resume and the transports do not know which backend runs: a third backend is a
 module and a line in `make_pool`.
 
-- "local" (server/pool.py, the pool core, with server/pool_local.py's ProcessBackend): worker
-  processes of this server.
-- "ray" (server/ray_pool.py): Ray actors on a cluster, through a bridge process; needs the
-  `ray` extra, imported only when a loader asks for it. `require_backend` checks that at
-  start-up (and in `check-config`), not when an epoch first starts a pool.
+Both run on the one pool core (server/pool.py), which supplies everything but the workers:
+
+- "local" (server/pool_local.py's ProcessBackend): worker processes of this server.
+- "ray" (server/pool_ray.py's RayBackend): Ray actors on a cluster, through a bridge process;
+  needs the `ray` extra, imported only when a loader asks for it. `require_backend` checks
+  that at start-up (and in `check-config`), not when an epoch first starts a pool.
 """
 
 from __future__ import annotations
@@ -55,22 +56,21 @@ def make_pool(
     ray_address: str | None = None,
 ) -> Pool:
     """A pool of `spec.pool`'s backend (not started)."""
+    from remote_loader.server.pool import WorkerPool
+    from remote_loader.server.pool_backend import WorkerBackend
+
+    backend: WorkerBackend
     if spec.pool == "ray":
         require_backend(spec)
-        from remote_loader.server.ray_pool import RayPool
+        from remote_loader.server.pool_ray import RayBackend
 
-        return RayPool(
-            spec,
-            batching,
-            ctx,
-            address=ray_address,
-            max_batch_bytes=max_batch_bytes,
-            metrics=metrics,
+        backend = RayBackend(
+            spec, batching, ctx, address=ray_address, max_batch_bytes=max_batch_bytes
         )
-    from remote_loader.server.pool import WorkerPool
-    from remote_loader.server.pool_local import ProcessBackend
+    else:
+        from remote_loader.server.pool_local import ProcessBackend
 
-    backend = ProcessBackend(spec, batching, ctx, max_batch_bytes=max_batch_bytes)
+        backend = ProcessBackend(spec, batching, ctx, max_batch_bytes=max_batch_bytes)
     return WorkerPool(spec, batching, backend, metrics=metrics)
 
 

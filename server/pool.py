@@ -10,7 +10,8 @@ It owns the task ledger (server/supervision.py), the workers' shared-memory slot
 Supervisor (server/pool_supervision.py), which replaces dead and stuck workers, and, with
 num_workers or prefetch_factor = "auto", a Resizer (server/autotune.py). Where the workers run
 is a WorkerBackend's business (server/pool_backend.py): worker processes for the local pool
-(ProcessBackend, server/pool_local.py).
+(ProcessBackend, server/pool_local.py), Ray actors for the Ray pool (RayBackend,
+server/pool_ray.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from remote_loader.server.engine import (
     in_flight_bound,
 )
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool_backend import WorkerBackend
+from remote_loader.server.pool_backend import Ready, Short, WorkerBackend
 from remote_loader.server.pool_supervision import Supervisor
 from remote_loader.server.sampling import Batching
 from remote_loader.server.slots import SlotTable
@@ -74,6 +75,12 @@ __all__ = ["WorkerPool"]
 # done (one clock for every process of a Linux host); with the task's submit time and the time
 # poll read it, they give the index queue wait, the making and the result pipe wait
 # (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/metrics.py).
+#
+# The Ray backend (server/pool_ray.py) keeps this protocol, with its bridge process in the
+# middle (NOTE [ Ray bridge ] in server/ray_bridge.py): EpochStart and Task go to an actor as
+# calls, each Result comes back naming a slot of the bridge's shared memory for that actor's
+# incarnation, stamped on this host's clock, and a dead actor is reported (Lost) rather than
+# polled.
 #
 # NOTE [ Pool Shutdown ]
 #
@@ -135,7 +142,14 @@ class WorkerPool:
         self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
         self._supervisor = Supervisor(
-            spec, backend, self._ledger, self._metrics, respawn=self._respawn, send=self._send
+            spec,
+            backend,
+            self._ledger,
+            self._metrics,
+            respawn=self._respawn,
+            send=self._send,
+            reassign=self._reassign,
+            capacity_changed=self._capacity_changed,
         )
         # num_workers or prefetch_factor = "auto" (NOTE [ Worker autotuning ]).
         tuner = new_tuner(spec, self.prefetch)
@@ -155,9 +169,15 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return self._backend.pids
 
+    @property
+    def working(self) -> int:
+        """Workers that take tasks: all but those whose replacement cannot start (NOTE
+        [ Capacity lost ] in server/pool_supervision.py), and at least one."""
+        return max(1, self.num_workers - len(self._supervisor.short))
+
     def describe(self) -> dict[str, int | str]:
-        """For Describe and the metrics: processes of this host."""
-        return {"backend": "local", "nodes": 1, "workers": self.num_workers}
+        """For Describe and the metrics: the backend, its nodes and the workers."""
+        return {**self._backend.describe(), "workers": self.num_workers}
 
     def start(self) -> None:
         """Starts the workers (they build the dataset themselves)."""
@@ -211,11 +231,30 @@ class WorkerPool:
         return True
 
     def _next_worker(self) -> int | None:
+        short = self._supervisor.short
         for _ in range(self.num_workers):
             worker_id = next(self._worker_cycle)
-            if self._active[worker_id]:
+            if self._active[worker_id] and worker_id not in short:
                 return worker_id
         return None
+
+    def _reassign(self, worker_id: int) -> int:
+        """The Supervisor's, for a worker gone short: its tasks go to the others, in order;
+        how many moved. With no other worker they stay, and it is not short after all."""
+        held = self._ledger.held_by(worker_id)
+        for moved, pending in enumerate(held):
+            other = self._next_worker()
+            if other is None:
+                self._supervisor.short.discard(worker_id)
+                return moved
+            self._send(self._ledger.move(pending, other))
+        return len(held)
+
+    def _capacity_changed(self) -> None:
+        """The Supervisor's: the workers that take tasks changed, so do the bound and gauge."""
+        self.max_outstanding = in_flight_bound(self.prefetch, self.working)
+        info = self._backend.describe()
+        self._metrics.pool_started(str(info["backend"]), int(info["nodes"]), self.working)
 
     def _epoch_start(self) -> EpochStart:
         return EpochStart(self._key, self._base_seed, self._compression)
@@ -246,9 +285,15 @@ class WorkerPool:
             if failed is not None:
                 return failed
             wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
-            for result in self._backend.receive(wait):
-                self._slots.accept(result)
-                outcome = self._outcome(result)
+            for event in self._backend.receive(wait):
+                if isinstance(event, Ready):
+                    self._supervisor.ready(event)
+                    continue
+                if isinstance(event, Short):
+                    self._supervisor.short_of(event)
+                    continue
+                self._slots.accept(event)
+                outcome = self._outcome(event)
                 if outcome is not None:
                     return outcome
             if time.monotonic() >= deadline:
@@ -323,11 +368,12 @@ class WorkerPool:
         self._backend.retire_last()
         self._slots.forget(self._incarnations.pop())
         self.num_workers -= 1
+        self._supervisor.short.discard(self.num_workers)
         self._resized()
 
     def _resized(self) -> None:
         n = self.num_workers
-        self.max_outstanding = in_flight_bound(self.prefetch, n)
+        self.max_outstanding = in_flight_bound(self.prefetch, self.working)
         self._ledger.resize(n)
         self._active = [True] * n
         self._worker_cycle = itertools.cycle(range(n))

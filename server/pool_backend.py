@@ -4,14 +4,41 @@ autotuning); a backend only starts, stops, talks to and watches its workers.
 
 - ProcessBackend (server/pool_local.py): worker processes of this server, one index queue and
   one result pipe each (NOTE [ Pool Protocol ] in server/pool.py).
+- RayBackend (server/pool_ray.py): Ray actors on a cluster, owned by a bridge process
+  (NOTE [ Ray bridge ] in server/ray_bridge.py).
+
+Besides results, `receive` yields what a backend learns about its workers' capacity: a
+replacement that cannot start yet (Short) and one that has started (Ready); see
+NOTE [ Capacity lost ] in server/pool_supervision.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Protocol
 
 from remote_loader.server.worker import EpochStart, Result, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Worker `worker_id`'s replacement (or a worker added) has started: the `timeout` of the
+    task it holds counts from now, and a worker that was short takes tasks again."""
+
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Short:
+    """Worker `worker_id`'s replacement cannot start for now (`message`: what it lacks, e.g. a
+    free CPU in the cluster); the pool runs without it until its Ready comes."""
+
+    worker_id: int
+    message: str
+
+
+Event = Result | Ready | Short
 
 
 class WorkerBackend(Protocol):
@@ -25,6 +52,11 @@ class WorkerBackend(Protocol):
     @property
     def pids(self) -> list[int]:
         """The processes running the workers (for tests and logs)."""
+        ...
+
+    def describe(self) -> dict[str, int | str]:
+        """ "backend" (its `pool` name) and "nodes" (hosts the workers run on), for Describe and
+        the metrics."""
         ...
 
     def start(self) -> None:
@@ -43,12 +75,19 @@ class WorkerBackend(Protocol):
         """The epoch the workers make tasks of (-1: none): they skip other epochs' tasks."""
         ...
 
-    def receive(self, timeout: float) -> Iterator[Result]:
+    def receive(self, timeout: float) -> Iterator[Event]:
         """Waits up to `timeout` seconds for results, then yields those that arrived (a
-        worker's unreadable or cut-off result is dropped: its death is seen by `alive`)."""
+        worker's unreadable or cut-off result is dropped: its death is seen by `alive`), and
+        Short and Ready as they happen. Raises WorkerDiedError when the backend itself is gone
+        (the pool cannot go on)."""
         ...
 
     def alive(self, worker_id: int) -> bool: ...
+
+    def ready(self, worker_id: int) -> bool:
+        """False while a spawned worker has not started yet (its Ready is to come): the
+        `timeout` of its tasks does not count meanwhile."""
+        ...
 
     def making(self, worker_id: int) -> int:
         """The task the worker says it is making (-1: none)."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from remote_loader.server.pool_backend import Event
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, Result, Task, WorkerConfig, worker_loop
@@ -66,6 +67,9 @@ class ProcessBackend:
     @property
     def pids(self) -> list[int]:
         return [w.pid for w in self._procs if w.pid is not None]
+
+    def describe(self) -> dict[str, int | str]:
+        return {"backend": "local", "nodes": 1}
 
     def start(self) -> None:
         self._current_epoch = self._ctx.Value("q", -1, lock=False)
@@ -121,7 +125,7 @@ class ProcessBackend:
         if self._current_epoch is not None:  # None: stopped before it started
             self._current_epoch.value = key
 
-    def receive(self, timeout: float) -> Iterator[Result]:
+    def receive(self, timeout: float) -> Iterator[Event]:
         readers = [r for r in self._results if r is not None]
         if not readers:
             time.sleep(timeout)
@@ -150,6 +154,9 @@ class ProcessBackend:
 
     def alive(self, worker_id: int) -> bool:
         return self._procs[worker_id].is_alive()
+
+    def ready(self, worker_id: int) -> bool:
+        return True  # a process from the fork server starts in milliseconds
 
     def making(self, worker_id: int) -> int:
         return int(self._making[worker_id].value)

@@ -3,8 +3,10 @@
 TaskLedger keeps the books.
 
 A part the core (server/pool.py) holds, not a base class: `poll` calls `check` on the Run's
-thread; the Supervisor asks the WorkerBackend (server/pool_backend.py) whether workers live,
-and the core, through two callbacks, to start a replacement and to send a task again.
+thread, and hands it the backend's Short and Ready events; the Supervisor asks the
+WorkerBackend (server/pool_backend.py) whether workers live, and the core, through callbacks,
+to start a replacement, to send a task again, to move a worker's tasks to the others and to
+recompute its bound when the workers that can take tasks change (NOTE [ Capacity lost ]).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import collections
 import logging
 from collections.abc import Callable
 
-from remote_loader.server.engine import Outcome
+from remote_loader.server.engine import Outcome, WorkerDiedError
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool_backend import WorkerBackend
+from remote_loader.server.pool_backend import Ready, Short, WorkerBackend
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.supervision import PendingTask, TaskLedger
 
@@ -38,6 +40,24 @@ log = logging.getLogger(__name__)
 #   3. hands the ledger the task the worker was making (`making`: a shared value a process sets
 #      before each task, since its Result may have died half written to its result pipe) and
 #      sends what the ledger re-issues, in order, to the new worker.
+# A replacement that takes time to start (a Ray actor waits for a CPU somewhere in the cluster)
+# is not `ready` until its backend says so: the `timeout` of its tasks counts from then.
+#
+# NOTE [ Capacity lost ]
+#
+# A replacement may not start for a long time: a Ray node lost when no other node has a free
+# CPU leaves its actors' replacements waiting for one. Waiting with them stalls the epoch while
+# the other workers sit idle (tf.data service and Ray Data go on with the workers they have).
+# So when the backend says a worker is Short, the pool runs without it:
+#   - a map-style dataset's tasks are anyone's: what the worker holds goes to the other workers
+#     at once, in submission order, and it gets no new tasks; the in-flight bound becomes
+#     prefetch_factor * the workers left, and remote_loader_pool_workers shows them; a warning
+#     names the shortfall;
+#   - an IterableDataset shards itself by worker: without the worker its share is lost, so the
+#     epoch ends with WorkerDiedError (the pool is replaced and says what it lacks);
+#   - when the worker's Ready comes (CPUs returned: a node joined), it takes tasks again and
+#     the bound and gauge grow back.
+# If no worker is left to take them, the tasks wait for the replacement, as before.
 
 
 class Supervisor:
@@ -57,6 +77,8 @@ class Supervisor:
         *,
         respawn: Callable[[int], None],
         send: Callable[[PendingTask], None],
+        reassign: Callable[[int], int],
+        capacity_changed: Callable[[], None],
     ) -> None:
         self._spec = spec
         self._backend = backend
@@ -64,6 +86,10 @@ class Supervisor:
         self._metrics = metrics
         self._respawn = respawn
         self._send = send
+        self._reassign = reassign
+        self._capacity_changed = capacity_changed
+        # Workers whose replacement cannot start (Short), until their Ready: they get no tasks.
+        self.short: set[int] = set()
         # Workers replaced after they died (or were stopped for a timeout).
         self.restarts = 0
         # Tasks given up and not yet returned by the core's poll.
@@ -83,7 +109,8 @@ class Supervisor:
         Returns an error Outcome for a task that has used up its attempts or timed out.
         """
         if self._spec.timeout > 0:
-            stuck = self._ledger.overdue(self._spec.timeout, self._backend.making)
+            starting = {w for w in range(self._backend.workers) if not self._backend.ready(w)}
+            stuck = self._ledger.overdue(self._spec.timeout, self._backend.making, starting)
             if stuck is not None:
                 self._failed.append(self._stop_stuck(stuck))
         for worker_id in range(self._backend.workers):
@@ -128,3 +155,39 @@ class Supervisor:
         for pending in reissue.tasks:
             self._send(pending)
         return reissue.given_up
+
+    def ready(self, event: Ready) -> None:
+        """A replacement started: its tasks' `timeout` counts from now; a short worker is back."""
+        self._ledger.worker_ready(event.worker_id)
+        if event.worker_id not in self.short:
+            return
+        self.short.discard(event.worker_id)
+        self._capacity_changed()
+        log.warning(
+            "loader %r: %s started again: %d of %d workers",
+            self._spec.name,
+            self._backend.who(event.worker_id),
+            self._backend.workers - len(self.short),
+            self._backend.workers,
+        )
+
+    def short_of(self, event: Short) -> None:
+        """See NOTE [ Capacity lost ]."""
+        if self._ledger.iterable:
+            raise WorkerDiedError(
+                f"{event.message}; an IterableDataset shards itself by worker, so its epoch "
+                "cannot go on without it"
+            )
+        self.short.add(event.worker_id)
+        moved = self._reassign(event.worker_id)
+        if event.worker_id not in self.short:
+            return  # no worker left to take its tasks: they wait for the replacement
+        self._capacity_changed()
+        log.warning(
+            "loader %r: %s; %d of %d workers, %d task(s) moved",
+            self._spec.name,
+            event.message,
+            self._backend.workers - len(self.short),
+            self._backend.workers,
+            moved,
+        )

@@ -71,7 +71,7 @@ class RayWorker:
     ) -> None:
         """Reseeds and restarts iteration, as a worker process does on EpochStart; `fresh`:
         with a new dataset and worker_init_fn run again, as torch's new worker processes of
-        an epoch without persistent_workers (NOTE [ Ray pool reuse ] in server/ray_pool.py)."""
+        an epoch without persistent_workers (NOTE [ Ray pool reuse ] in server/pool_ray.py)."""
         self.epoch_key = epoch_key
         if fresh and self.epochs > 0:
             self.state = self._new_state()  # a new dataset; worker_init_fn runs again

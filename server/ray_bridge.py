@@ -11,17 +11,22 @@ worker actors, and hands each batch over as a worker process does (a Result nami
 shared-memory slot, server/worker.py). If Ray ends it, the server sees a child exit, fails the
 Run with an error naming ray_address and replaces the pool at the next epoch.
 
-Protocol (one Pipe each way; RayPool in server/ray_pool.py is the other end):
-  server -> bridge  Begin(epoch_key, base_seed) | Send(worker_id, Task) | Kill(worker_id, why)
-                    | None (stop)
-  bridge -> server  Started(nodes, actors) once connected, or StartFailed(message) and exit;
-                    then a Result (server/worker.py) per task, Lost(worker_id, reason) when
-                    an actor died and was replaced (its tasks are the server's to re-issue),
-                    Shortfall(worker_id, message) when that replacement has not started
-                    within REPLACE_PATIENCE (NOTE [ Ray capacity lost ] in ray_pool.py), and
-                    Replaced(worker_id) once it has started.
+Protocol (one Pipe each way; RayBackend in server/pool_ray.py is the other end, driven by the
+pool core of server/pool.py, which decides everything a worker's life involves):
+  server -> bridge  Send(worker_id, EpochStart | Task) | Spawn(worker_id, num_workers,
+                    incarnation) | Kill(worker_id) | Retire() | None (stop)
+  bridge -> server  Started(nodes, actors) once connected and actors 0..n-1 are placed
+                    (incarnations 0..n-1), or StartFailed(message) and exit; then a Result
+                    (server/worker.py) per task, Lost(worker_id, incarnation, reason, making)
+                    when an actor died (the core replaces it with a Spawn and re-issues its
+                    tasks), Shortfall(worker_id, incarnation, message) when a spawned actor has
+                    not started within REPLACE_PATIENCE (NOTE [ Capacity lost ] in
+                    server/pool_supervision.py), and Placed(worker_id, incarnation) once it has.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
-A result of a dead actor (an older generation) is dropped here: the server re-issues the task.
+A result of an actor already replaced (an older incarnation) is dropped here: the server
+re-issued the task. Each incarnation has slots of its own (as a worker process does), so the
+server forgets a dead actor's slots with it, and a Result's times are re-stamped on this host's
+clock (the actor's node has its own; only the time the batch took carries over).
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
 lost node costs as few workers as it can, and each asks `ray_num_cpus` CPUs.
@@ -36,6 +41,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,12 +56,12 @@ from remote_loader.server.ray_connect import (
 )
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import RemoteError, Result, Task
+from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
 
 # How long the bridge waits for its actors to be placed and built before it gives up.
 ACTOR_START_TIMEOUT = 120.0
-# How long a replacement actor may take to start before the bridge tells the server it is
-# short of it (Shortfall), so that its tasks go to the actors that remain.
+# How long a spawned actor may take to start before the bridge tells the server it is short of
+# it (Shortfall), so that its tasks go to the actors that remain.
 REPLACE_PATIENCE = 5.0
 
 
@@ -70,37 +76,30 @@ class BridgeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Begin:
-    epoch_key: int
-    base_seed: int
-    compression: str = ""
-    # The dataset and worker_init_fn afresh, as torch's new worker processes of an epoch
-    # without persistent_workers (NOTE [ Ray pool reuse ] in server/ray_pool.py).
-    fresh: bool = False
-
-    def args(self) -> tuple[int, int, str, bool]:
-        """RayWorker.begin_epoch's arguments."""
-        return (self.epoch_key, self.base_seed, self.compression, self.fresh)
+class Send:
+    worker_id: int
+    message: EpochStart | Task
 
 
 @dataclasses.dataclass(frozen=True)
-class Send:
+class Spawn:
+    """A new actor for `worker_id` (a replacement, or one more when worker_id is the count)."""
+
     worker_id: int
-    task: Task
+    num_workers: int
+    incarnation: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
+    """Stop the actor now (stuck past `timeout`); the server spawns its replacement."""
+
     worker_id: int
-    why: str
 
 
 @dataclasses.dataclass(frozen=True)
-class Resize:
-    """num_workers = "auto": make the pool `workers` actors (new ones begin the current epoch;
-    the server removes only a last actor that holds no task)."""
-
-    workers: int
+class Retire:
+    """num_workers = "auto": the last actor goes (the server gave it no task it still holds)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,27 +116,30 @@ class StartFailed:
 @dataclasses.dataclass(frozen=True)
 class Lost:
     worker_id: int
+    incarnation: int
     reason: str
+    making: int  # the task whose call failed with the actor's death (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)
-class Replaced:
-    """A replacement actor has started (its dataset built, its epoch begun)."""
+class Placed:
+    """A spawned actor has started (placed, its dataset built)."""
 
     worker_id: int
+    incarnation: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Shortfall:
-    """A replacement actor has not started within REPLACE_PATIENCE (`message`: the CPUs it
-    asks and those free): the server gives its tasks to the other actors until its Replaced
-    comes."""
+    """A spawned actor has not started within REPLACE_PATIENCE (`message`: the CPUs it asks and
+    those free)."""
 
     worker_id: int
+    incarnation: int
     message: str
 
 
-# In the bridge's queue of finished calls, in place of a Task: a replacement's start-up, and
+# In the bridge's queue of finished calls, in place of a Task: an actor's start-up, and
 # REPLACE_PATIENCE passed since one was asked.
 _STARTED = "started"
 _OVERDUE = "overdue"
@@ -154,127 +156,162 @@ class _Bridge:
         self.actor_class = ray.remote(RayWorker).options(
             num_cpus=spec.ray_num_cpus,
             scheduling_strategy="SPREAD",
-            max_restarts=0,  # replaced by the bridge, which re-issues the tasks it held
+            max_restarts=0,  # replaced by the server's pool core, which re-issues its tasks
             max_task_retries=0,
         )
+        # Per worker id: its actor and that actor's incarnation. Written by the command thread
+        # only; read by the main loop (a list item read is atomic).
         self.actors: list[Any] = []
-        self.generations: list[int] = []
-        # Replacements asked and not yet started: (worker id, generation).
+        self.incarnations: list[int] = []
+        # Spawned actors not yet started: (worker id, incarnation).
         self.starting: set[tuple[int, int]] = set()
-        self.slots = WorkerSlots()
+        # Per incarnation: its slots (server/collating.py), as a worker process has its own.
+        self.slots: dict[int, WorkerSlots] = {}
+        # Per incarnation: the tasks sent to it and not answered, in the order sent (a dict as
+        # an ordered set). Ray runs an actor's calls in that order, so when the actor dies the
+        # first is the one it was making; every pending call fails then, in no set order.
+        self.calls: dict[int, dict[int, None]] = {}
+        # Incarnations whose death has been reported: one Lost each.
+        self.lost: set[int] = set()
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
-        # one start-up per replaced actor.
+        # one start-up (and its patience timer) per actor spawned.
         self.done: queue.SimpleQueue[tuple[int, int, Task | str | None, Future[Any]]] = (
             queue.SimpleQueue()
         )
-        self.epoch: Begin | None = None
-        # Ray runs one caller's calls to an actor in the order they were made: the lock makes
-        # "new actor, then its epoch" one step against the command thread's submissions. It
-        # also guards the slots, released there and taken here.
+        # Guards the slots: released by the command thread, taken by the main loop.
         self.lock = threading.Lock()
 
-    def new_actor(self, worker_id: int, num_workers: int | None = None) -> Any:
+    def new_actor(self, worker_id: int, num_workers: int) -> Any:
         spec = self.cfg.spec
-        n = num_workers if num_workers is not None else spec.num_workers
         return self.actor_class.remote(
-            spec, self.cfg.batching, worker_id, n, self.cfg.max_batch_bytes
+            spec, self.cfg.batching, worker_id, num_workers, self.cfg.max_batch_bytes
         )
-
-    def resize(self, workers: int) -> None:
-        with self.lock:
-            while len(self.actors) > workers:
-                self.ray.kill(self.actors.pop(), no_restart=True)
-                self.generations.pop()
-            while len(self.actors) < workers:
-                actor = self.new_actor(len(self.actors), workers)
-                if self.epoch is not None:
-                    actor.begin_epoch.remote(*self.epoch.args())
-                self.actors.append(actor)
-                self.generations.append(0)
 
     def start(self) -> Started:
         n = self.cfg.spec.num_workers
-        self.actors = [self.new_actor(w) for w in range(n)]
-        self.generations = [0] * n
+        self.actors = [self.new_actor(w, n) for w in range(n)]
+        self.incarnations = list(range(n))
+        self.slots = {w: WorkerSlots() for w in range(n)}
+        self.calls = {w: {} for w in range(n)}
         nodes = self.ray.get([a.node.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT)
         return Started(nodes=len(set(nodes)), actors=n)
 
-    def submit(self, worker_id: int, task: Task) -> None:
+    def spawn(self, command: Spawn) -> None:
+        w, incarnation = command.worker_id, command.incarnation
+        actor = self.new_actor(w, command.num_workers)
         with self.lock:
-            self.slots.release(task.released)
-            actor, generation = self.actors[worker_id], self.generations[worker_id]
-            future = actor.make.remote(task.epoch_key, task.indices, task.seed).future()
-        future.add_done_callback(lambda f: self.done.put((worker_id, generation, task, f)))
-
-    def replace(self, worker_id: int) -> None:
-        # Under the lock: a task for the new actor must not be submitted before its epoch.
-        with self.lock:
-            self.generations[worker_id] += 1
-            actor = self.actors[worker_id] = self.new_actor(worker_id, len(self.actors))
-            if self.epoch is not None:
-                started = actor.begin_epoch.remote(*self.epoch.args())
+            if w < len(self.actors):
+                self.forget(self.incarnations[w])  # the server forgot its slots too
+                self.actors[w], self.incarnations[w] = actor, incarnation
             else:
-                started = actor.node.remote()
-            generation = self.generations[worker_id]
-            self.starting.add((worker_id, generation))
-            # Placing an actor and starting its process takes seconds: the server's `timeout`
-            # for its tasks counts from when it is ready (Replaced), not from the death.
-            started.future().add_done_callback(
-                lambda f: self.done.put((worker_id, generation, _STARTED, f))
-            )
-            patience = threading.Timer(
-                REPLACE_PATIENCE,
-                lambda: self.done.put((worker_id, generation, _OVERDUE, Future())),
-            )
-            patience.daemon = True
-            patience.start()
+                self.actors.append(actor)
+                self.incarnations.append(incarnation)
+            self.slots[incarnation] = WorkerSlots()
+            self.calls[incarnation] = {}
+        self.starting.add((w, incarnation))
+        # Placing an actor and starting its process takes seconds: the server's `timeout` for
+        # its tasks counts from when it has started (Placed), not from the spawn.
+        actor.node.remote().future().add_done_callback(
+            lambda f: self.done.put((w, incarnation, _STARTED, f))
+        )
+        patience = threading.Timer(
+            REPLACE_PATIENCE, lambda: self.done.put((w, incarnation, _OVERDUE, Future()))
+        )
+        patience.daemon = True
+        patience.start()
 
-    def shortfall(self, worker_id: int) -> Shortfall:
+    def forget(self, incarnation: int) -> None:
+        """An actor replaced or retired: nothing of it is read again (under the lock)."""
+        self.slots.pop(incarnation, None)
+        self.calls.pop(incarnation, None)
+        self.lost.discard(incarnation)
+
+    def send(self, worker_id: int, message: EpochStart | Task) -> None:
+        actor, incarnation = self.actors[worker_id], self.incarnations[worker_id]
+        if isinstance(message, EpochStart):
+            # `fresh`: torch's new worker processes of an epoch without persistent_workers.
+            fresh = not self.cfg.spec.persistent_workers
+            actor.begin_epoch.remote(
+                message.epoch_key, message.base_seed, message.compression, fresh
+            )
+            return
+        task = message
+        with self.lock:
+            self.slots[incarnation].release(task.released)
+            self.calls[incarnation][task.task_id] = None
+        future = actor.make.remote(task.epoch_key, task.indices, task.seed).future()
+        future.add_done_callback(lambda f: self.done.put((worker_id, incarnation, task, f)))
+
+    def retire(self) -> None:
+        with self.lock:
+            self.forget(self.incarnations.pop())
+            actor = self.actors.pop()
+        self.ray.kill(actor, no_restart=True)
+
+    def shortfall(self, worker_id: int, incarnation: int) -> Shortfall:
         free, total = capacity(self.ray)
         cpus = self.cfg.spec.ray_num_cpus
         return Shortfall(
             worker_id,
-            f"Ray worker {worker_id}'s replacement has not started within "
-            f"{REPLACE_PATIENCE:g} s (it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of "
-            f"{total:g} in the cluster): the other workers take its tasks until it starts",
+            incarnation,
+            f"Ray worker {worker_id}'s actor has not started within {REPLACE_PATIENCE:g} s "
+            f"(it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of {total:g} in the cluster)",
         )
 
-    def current(self, worker_id: int, generation: int) -> bool:
+    def current(self, worker_id: int, incarnation: int) -> bool:
         """The call was made on the actor that now holds this worker id."""
-        return worker_id < len(self.generations) and generation == self.generations[worker_id]
+        incarnations = self.incarnations
+        return worker_id < len(incarnations) and incarnations[worker_id] == incarnation
 
-    def reply(self, worker_id: int, generation: int, task: Task, future: Future[Any]) -> Any:
+    def reply(self, worker_id: int, incarnation: int, task: Task, future: Future[Any]) -> Any:
         """The message for one finished call; None when there is nothing to say."""
-        if not self.current(worker_id, generation):
+        if not self.current(worker_id, incarnation):
             return None  # an actor already replaced: its tasks were re-issued
-        base = functools.partial(Result, worker_id, task.epoch_key, task.task_id)
+        base = functools.partial(
+            Result, worker_id, task.epoch_key, task.task_id, incarnation=incarnation
+        )
+        error: Exception | None = None
         try:
             value = future.result()
-        except self.ray.exceptions.RayActorError as exc:
-            self.replace(worker_id)
-            return Lost(worker_id, f"DataLoader worker {worker_id} (a Ray actor) died: {exc}")
-        except Exception as exc:  # the call itself failed: an error at this task's position
+        except Exception as exc:
+            error = exc
+        with self.lock:
+            calls = self.calls.get(incarnation, {})
+            oldest = next(iter(calls), -1)
+            calls.pop(task.task_id, None)
+            if isinstance(error, self.ray.exceptions.RayActorError):
+                if incarnation in self.lost:
+                    return None  # another of its calls said so
+                self.lost.add(incarnation)
+        if isinstance(error, self.ray.exceptions.RayActorError):
+            why = f"DataLoader worker {worker_id} (a Ray actor) died: {error}"
+            return Lost(worker_id, incarnation, why, making=oldest)
+        if error is not None:  # the call itself failed: an error at this task's position
             where = f"in DataLoader worker {worker_id} (Ray)"
-            return base(error=RemoteError.capture(where, exc))
+            return base(error=RemoteError.capture(where, error))
         kind = value[0]
         if kind == FATAL:
             return base(error=value[1], fatal=True)
         if kind == EXHAUSTED:
             return base(exhausted=True)
+        now = time.monotonic()
         if kind == ERROR:
-            _, error, started, finished = value
-            return base(error=error, started_at=started, finished_at=finished)
+            _, remote, started, finished = value
+            return base(error=remote, started_at=now - (finished - started), finished_at=now)
         assert kind == BATCH
         _, header_nbytes, blob, started, finished = value
         with self.lock:
-            taken = self.slots.take(len(blob))
+            slots = self.slots.get(incarnation)
+            if slots is None:
+                return None  # replaced meanwhile
+            taken = slots.take(len(blob))
         # The one copy the bridge makes: out of Ray's object store into the slot the server
         # reads (the object goes back to Ray when `value` is dropped).
         taken.blob(len(blob)).numpy()[:] = blob
         with self.lock:
-            self.slots.written(taken)
-            new_buffer, dropped = self.slots.announce(taken.slot)
+            slots.written(taken)
+            new_buffer, dropped = slots.announce(taken.slot)
         return base(
             slot=taken.slot,
             header_nbytes=header_nbytes,
@@ -282,45 +319,42 @@ class _Bridge:
             new_buffer=new_buffer,
             dropped=dropped,
             generation=taken.generation,
-            started_at=started,
-            finished_at=finished,
+            started_at=now - (finished - started),
+            finished_at=now,
         )
 
     def read_commands(self) -> None:
-        """The command thread: submits the server's tasks as they come; ends on None."""
+        """The command thread: carries out the server's commands in order; ends on None."""
         while True:
             command = self.inbox.get()
             if command is None:
                 self.done.put((-1, -1, None, Future()))  # wakes the main loop to stop
                 return
-            if isinstance(command, Begin):
-                with self.lock:
-                    self.epoch = command
-                    for actor in self.actors:
-                        actor.begin_epoch.remote(*command.args())
-            elif isinstance(command, Send):
-                self.submit(command.worker_id, command.task)
-            elif isinstance(command, Resize):
-                self.resize(command.workers)
+            if isinstance(command, Send):
+                self.send(command.worker_id, command.message)
+            elif isinstance(command, Spawn):
+                self.spawn(command)
             elif isinstance(command, Kill):
                 self.ray.kill(self.actors[command.worker_id], no_restart=True)
+            elif isinstance(command, Retire):
+                self.retire()
 
     def serve(self) -> None:
         threading.Thread(target=self.read_commands, name="rl-ray-commands", daemon=True).start()
         while True:
-            worker_id, generation, task, future = self.done.get()
+            worker_id, incarnation, task, future = self.done.get()
             if task is None:
                 return
             if task == _OVERDUE:
-                if (worker_id, generation) in self.starting:
-                    self.cfg.results.send(self.shortfall(worker_id))
+                if (worker_id, incarnation) in self.starting:
+                    self.cfg.results.send(self.shortfall(worker_id, incarnation))
                 continue
             if isinstance(task, str):  # _STARTED
-                self.starting.discard((worker_id, generation))
-                if self.current(worker_id, generation) and future.exception() is None:
-                    self.cfg.results.send(Replaced(worker_id))
-                continue  # a replacement that failed to start shows in its first task
-            message = self.reply(worker_id, generation, task, future)
+                self.starting.discard((worker_id, incarnation))
+                if self.current(worker_id, incarnation) and future.exception() is None:
+                    self.cfg.results.send(Placed(worker_id, incarnation))
+                continue  # an actor that failed to start shows in its first task
+            message = self.reply(worker_id, incarnation, task, future)
             if message is not None:
                 self.cfg.results.send(message)
             del future, message

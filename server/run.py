@@ -333,8 +333,9 @@ class Run:
                 with self.cond:
                     self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                     self.policy.set_window(self._window)
-                engine.begin_epoch(self.plan.base_seed, self.key.compression)
                 try:
+                    # Inside: a Ray pool whose bridge is gone fails here already.
+                    engine.begin_epoch(self.plan.base_seed, self.key.compression)
                     while self._step(engine):
                         pass
                 except (WorkerDiedError, WorkerInitError):

@@ -1,8 +1,9 @@
 """Supervision of a pool's workers, the part every pool backend shares: which tasks each worker
 holds, how often a worker died making each, what is re-issued after a death and what given up.
 
-A pool (server/pool.py's core, through its Supervisor; server/ray_pool.py) notices dead and stuck
-workers and replaces them; the TaskLedger here decides what that means for the epoch's tasks.
+The pool core (server/pool.py, through its Supervisor, whatever backend runs the workers)
+notices dead and stuck workers and replaces them; the TaskLedger here decides what that means
+for the epoch's tasks.
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ class TaskLedger:
     def restore(self, pending: PendingTask) -> None:
         """Puts back a task whose answer turned out unreadable: a later answer counts."""
         self._pending[pending.task_id] = pending
+
+    def move(self, pending: PendingTask, worker_id: int) -> PendingTask:
+        """Hands `pending` to another worker (its own cannot start: NOTE [ Capacity lost ] in
+        server/pool_supervision.py), submitted now."""
+        pending.worker_id = worker_id
+        pending.submitted_at = self._clock()
+        return pending
 
     def held_by(self, worker_id: int) -> list[PendingTask]:
         """The tasks sent to `worker_id` and not yet back, in the order they were submitted."""

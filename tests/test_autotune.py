@@ -15,7 +15,6 @@ from remote_loader.server.autotune import Decision, WorkerTuner
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool import WorkerPool
 from remote_loader.server.spec import ConfigError, LoaderSpec
-from remote_loader.server.supervision import TaskLedger
 from tests.conftest import ServeLoaders, wait_until
 
 
@@ -212,32 +211,34 @@ def test_prefetch_auto_deepens_the_queue_when_a_slow_task_idles_the_others(
     assert changes.labels("deep", "prefetch_factor", "production")._value.get() >= 1
 
 
-class Resizing(autotune.Tuned):
-    """A pool of nothing but the fields the shared decision loop reads."""
+class Resizing:
+    """A pool of nothing but what a Resizer reads and changes (autotune.Tunable)."""
 
     def __init__(self, workers: int) -> None:
-        self.spec = LoaderSpec(name="r", dataset="tests.datasets:Squares")
         self.num_workers, self.prefetch = workers, 2
         self.max_outstanding = 2 * workers
-        self._ledger = TaskLedger(workers, iterable=False)
-        self._active = [True] * workers
-        self._metrics = LoaderMetrics("r")
+        self.outstanding = 0
+        self.active = [True] * workers
 
-    def _add_worker(self) -> None:
+    def holds(self, worker_id: int) -> bool:
+        return False
+
+    def add_worker(self) -> None:
         self.num_workers += 1
-        self._active = [True] * self.num_workers
+        self.active = [True] * self.num_workers
 
-    def _remove_last(self) -> None:
+    def remove_last(self) -> None:
         self.num_workers -= 1
-        self._active = [True] * self.num_workers
+        self.active = [True] * self.num_workers
 
 
 @pytest.mark.unit
 def test_a_drained_worker_removed_in_the_same_round_as_the_next_decision() -> None:
     t, host = tuner()
     pool = Resizing(3)
-    pool._active[2] = False  # the last one drained, holding nothing: it goes now...
+    pool.active[2] = False  # the last one drained, holding nothing: it goes now...
     host.now += t.interval
-    pool._tune(t)  # ...and the consumers are still the bottleneck: the next one drains
-    assert pool.num_workers == 2 and pool._active == [True, False]
+    # ...and the consumers are still the bottleneck: the next one drains.
+    autotune.Resizer(t, "r", LoaderMetrics("r")).tune(pool)
+    assert pool.num_workers == 2 and pool.active == [True, False]
     assert pool.max_outstanding == 2

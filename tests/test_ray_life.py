@@ -23,6 +23,7 @@ from ray.cluster_utils import Cluster
 
 from remote_loader.client import RemoteLoader, RemoteLoaderError
 from remote_loader.server.demo import serve_command
+from remote_loader.server.pool import WorkerPool
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import ConfigError, LoaderSpec, resolve, spec_from_table
@@ -243,7 +244,7 @@ def _capacity_lost(cluster: Cluster) -> None:
     with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
         host = server.hosts["slow"]
         pool = host._persistent
-        assert pool is not None and host.pool_info["nodes"] == 2
+        assert isinstance(pool, WorkerPool) and host.pool_info["nodes"] == 2
         gauge = host.metrics._pool_workers.labels("slow", "ray")
         got = []
         for i, batch in enumerate(loader):
@@ -252,13 +253,13 @@ def _capacity_lost(cluster: Cluster) -> None:
                 cluster.remove_node(doomed)
         assert got == expected  # every batch once, in order, though a worker was lost
         assert gauge._value.get() == 1  # the shortfall shows
-        assert pool._short  # type: ignore[attr-defined]
+        assert pool.working == 1
         cluster.add_node(**{**NODE, "num_cpus": 1})  # CPUs return
         for _ in range(10):  # the replacement starts while an epoch polls the bridge
             assert [int(b) for b in loader] == expected
-            if not pool._short:  # type: ignore[attr-defined]
+            if pool.working == 2:
                 break
-        assert not pool._short  # type: ignore[attr-defined]
+        assert pool.working == 2
         assert gauge._value.get() == 2
 
 
