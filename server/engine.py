@@ -7,9 +7,9 @@ num_workers = 0 (InlineEngine, server/inline.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Protocol
 
+from remote_loader.server.lease import SlotLease
 from remote_loader.server.worker import RemoteError
 
 # How long one engine poll blocks (the pool: on its result pipes) before it checks whether the
@@ -54,10 +54,6 @@ class WorkerInitError(RuntimeError):
         self.error = error
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclasses.dataclass(frozen=True)
 class SlotRef:
     """Where a delivered batch lies in its worker's slot, for a client that maps the slot
@@ -75,14 +71,14 @@ class SlotRef:
 class Delivery:
     """One batch made for a Run: its encoded blob, or the error raised making it.
 
-    `blob` stays valid until `release()` is called; the consumer calls it once it has copied
-    the bytes out.
+    `blob` stays valid until its `lease` is over (NOTE [ Slot lease ] in server/lease.py): the
+    sharing stage owns it, zero-copy senders hold it.
     """
 
     blob: memoryview | None = None
     header_nbytes: int = 0
     error: RemoteError | None = None
-    release: Callable[[], None] = _nothing
+    lease: SlotLease = dataclasses.field(default_factory=SlotLease)
     # The worker's slot holding `blob`, when a same-host client may map it (None: in this
     # process's memory, or a slot without a descriptor).
     slot: SlotRef | None = None

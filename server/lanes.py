@@ -11,9 +11,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from remote_loader.server.engine import Delivery
@@ -31,9 +30,9 @@ MIN_LANE_WINDOW = 2
 class Entry:
     """A batch (or the error at its place) made by a Run, waiting to be sent.
 
-    Its worker's slot goes back once the sharing policy is done with the entry (`release`)
-    and every lease on it has ended: a zero-copy sender leases the entry until its client has
-    copied the batch out of the slot (NOTE [ Zero-copy slots ] in protos/slots.py).
+    The sharing policy owns the batch's SlotLease (NOTE [ Slot lease ] in server/lease.py) and
+    ends its part with `release`; a zero-copy sender holds the lease through `outgoing` until
+    its client has copied the batch out of the slot.
     """
 
     def __init__(self, position: int, delivery: Delivery) -> None:
@@ -42,15 +41,11 @@ class Entry:
         self.made_at = time.monotonic()
         # The encoded batch's size (0 for an error), kept: the blob goes once released.
         self.nbytes = len(delivery.blob) if delivery.blob is not None else 0
-        self._released = False  # the policy is done with it
-        self._leases = 0
-        self._given_back = False
-        self._lock = threading.Lock()
         # The batch as the send stage takes it (server/outgoing.py); None for an error.
         self._outgoing = (
             None
             if delivery.blob is None
-            else Outgoing(delivery.blob, delivery.header_nbytes, delivery.slot, self.lease)
+            else Outgoing(delivery.blob, delivery.header_nbytes, delivery.slot, delivery.lease)
         )
 
     @property
@@ -59,41 +54,15 @@ class Entry:
 
     @property
     def outgoing(self) -> Outgoing:
-        """The batch for a sender (server/transports/): its bytes, its slot, and `lease`
+        """The batch for a sender (server/transports/): its bytes, its slot, and its lease
         (for an entry without an error)."""
         assert self._outgoing is not None, "an entry without an error has a blob"
         return self._outgoing
 
-    def lease(self) -> Callable[[], None]:
-        """Keeps the worker's slot (and `delivery.blob`) valid past `release` until the
-        returned function is called (idempotent, any thread)."""
-        with self._lock:
-            assert not self._given_back, "the slot was given back"
-            self._leases += 1
-        ended = False
-
-        def end() -> None:
-            nonlocal ended
-            with self._lock:
-                if ended:
-                    return
-                ended = True
-                self._leases -= 1
-                self._give_back_locked()
-
-        return end
-
     def release(self) -> None:
-        """The policy is done with the entry; the slot goes back once no lease holds it.
+        """The policy is done with the entry; the slot goes back once no sender holds it.
         Idempotent."""
-        with self._lock:
-            self._released = True
-            self._give_back_locked()
-
-    def _give_back_locked(self) -> None:
-        if self._released and self._leases == 0 and not self._given_back:
-            self._given_back = True
-            self.delivery.release()
+        self.delivery.lease.release()
 
 
 class Lane:

@@ -1,5 +1,5 @@
 """What the send stage hands over for one batch: `Outgoing`, the encoded bytes, where they lie
-in a worker's slot, and a lease that keeps them there.
+in a worker's slot, and the lease that keeps them there (NOTE [ Slot lease ] in server/lease.py).
 
 A leaf between the sharing stage, which makes one per batch it keeps (server/lanes.py's Entry),
 and the send stage, which hands it to a client (server/transports/): neither imports the other.
@@ -8,10 +8,10 @@ and the send stage, which hands it to a client (server/transports/): neither imp
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from remote_loader.protos import wire
 from remote_loader.server.engine import SlotRef
+from remote_loader.server.lease import SlotLease
 
 
 class Outgoing:
@@ -20,8 +20,8 @@ class Outgoing:
     `blob` (header then payload, `header_nbytes` of header) is valid while a sender's `send`
     runs; a sender that hands the client a reference instead of the bytes (NOTE [ Zero-copy
     slots ] in protos/slots.py: `slot`, where `blob` lies in its worker's slot; None: in this
-    process's memory) keeps it valid past that with `lease()`, until the callback it returns is
-    called (idempotent, any thread).
+    process's memory) keeps it valid past that with `lease.hold()`, until the callback it returns
+    is called (idempotent, any thread).
     """
 
     def __init__(
@@ -29,7 +29,7 @@ class Outgoing:
         blob: memoryview,
         header_nbytes: int,
         slot: SlotRef | None,
-        lease: Callable[[], Callable[[], None]],
+        lease: SlotLease,
     ) -> None:
         self.blob = blob
         self.header_nbytes = header_nbytes

@@ -29,6 +29,7 @@ from remote_loader.server.engine import (
     WorkerInitError,
     in_flight_bound,
 )
+from remote_loader.server.lease import SlotLease
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.pool_backend import Ready, Short, WorkerBackend
 from remote_loader.server.pool_supervision import Supervisor
@@ -60,9 +61,9 @@ __all__ = ["WorkerPool"]
 #     stale epoch: release its slot              skip if key is not current_epoch.value
 #     exhausted: that worker is inactive         fetch + collate + encode into a free shm slot
 #     else: Outcome(id, Delivery)                put Result(id, slot | error | exhausted)
-#   Delivery.release() (any thread, once the   on None, or the server gone: exit
-#     bytes are sent): slot handed back with     (checked every MP_STATUS_CHECK_INTERVAL)
-#     the worker's next Task
+#   the Delivery's SlotLease over (any thread, on None, or the server gone: exit
+#     NOTE [ Slot lease ]): slot handed back     (checked every MP_STATUS_CHECK_INTERVAL)
+#     with the worker's next Task
 #   end_epoch: current_epoch.value = -1
 #
 # Shared memory: each worker allocates its own slots (torch shared tensors, passed to the
@@ -104,8 +105,8 @@ class WorkerPool:
     """`num_workers` workers of one loader spec, run by `backend`; one epoch at a time.
 
     See NOTE [ Pool Protocol ] and NOTE [ Replacing a Worker ] (server/pool_supervision.py).
-    Only the thread producing a Run calls the epoch methods; `Delivery.release` may be called
-    from any thread.
+    Only the thread producing a Run calls the epoch methods; a Delivery's lease may end on any
+    thread.
     """
 
     def __init__(
@@ -328,13 +329,17 @@ class WorkerPool:
             self._ledger.restore(pending)
             return None
         self._metrics.worker_timing(*stamps)
+        blob = slot.blob(result.offset, result.total_nbytes)
         return Outcome(
             result.task_id,
             Delivery(
-                blob=slot.blob(result.offset, result.total_nbytes),
+                blob=blob,
                 header_nbytes=result.header_nbytes,
                 slot=slot.ref(result.offset, result.generation),
-                release=functools.partial(self._slots.release, result.incarnation, result.slot),
+                lease=SlotLease(
+                    functools.partial(self._slots.release, result.incarnation, result.slot),
+                    mapping=blob,
+                ),
             ),
         )
 

@@ -15,6 +15,7 @@ import pytest
 from remote_loader.server.engine import Delivery, Engine
 from remote_loader.server.errors import SharingError
 from remote_loader.server.lanes import BroadcastLane, Lane, QueueLane
+from remote_loader.server.lease import SlotLease
 from remote_loader.server.membership import Membership
 from remote_loader.server.policies import (
     POLICIES,
@@ -65,7 +66,7 @@ class Slots:
                 [index] = next(lane.tasks)
                 lane.issued += 1
                 release = lambda i=index: self.released.append(i)  # noqa: E731
-                lane.add(Delivery(blob=memoryview(b"x"), release=release))
+                lane.add(Delivery(blob=memoryview(b"x"), lease=SlotLease(release)))
 
     def finish(self, lane: Lane) -> None:
         """Makes the rest of `lane`'s tasks and marks it complete."""

@@ -16,6 +16,7 @@ import pytest
 from remote_loader.server.engine import Delivery, Engine, Outcome
 from remote_loader.server.errors import ClosingError, DetachedError
 from remote_loader.server.lanes import MIN_LANE_WINDOW
+from remote_loader.server.lease import SlotLease
 from remote_loader.server.membership import Membership
 from remote_loader.server.run import Consumer
 from remote_loader.server.sampling import EpochPlan, share
@@ -71,7 +72,8 @@ class FakeEngine:
             task_id, indices = self._pending.pop(-1 if self.lifo else 0)
             self._made += 1
         blob = memoryview(json.dumps(indices).encode())
-        return Outcome(task_id, Delivery(blob=blob, release=lambda: self.released.append(indices)))
+        lease = SlotLease(lambda: self.released.append(indices))
+        return Outcome(task_id, Delivery(blob=blob, lease=lease))
 
 
 def tasks(n: int) -> list[list[int]]:

@@ -64,5 +64,7 @@ def test_workers_reuse_their_heap_whatever_thresholds_they_inherit() -> None:
         stop_process(proc)
     assert len(faults) == 12
     # The first samples grow the heap (measured: 1,784, 1,541, 256, then 0); the later ones find
-    # it there. Without the fix each faults about 2,048 times.
-    assert max(faults[6:]) < 256, faults
+    # it there. Without the fix each faults about 2,048 times. Under load a later sample has
+    # faulted 256 (one 1 MiB block, once, with a CPU hog beside the suite): half the unfixed
+    # count is the line.
+    assert max(faults[6:]) < 1024, faults

@@ -120,7 +120,7 @@ class ShmSender:
                 lambda: control.consumed() >= oldest, stopped, "release a slot", ending=False
             )
             self._end_leases(control.consumed())
-        self._leased.append((self._sent + 1, outgoing.lease()))
+        self._leased.append((self._sent + 1, outgoing.lease.hold()))
         self._sent += 1
         self.batches += 1
         return wire.handle_frame(
