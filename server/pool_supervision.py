@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 #   - when the worker's Ready comes (CPUs returned: a node joined), it takes tasks again and
 #     the bound and gauge grow back.
 # If no worker is left to take them, the tasks wait for the replacement, as before.
+# A backend says Short only when the worker truly cannot start for now (the Ray bridge: its CPUs
+# are not free in the cluster, or it has not started in SLOW_START_PATIENCE): tasks moved away
+# stay queued on the starting actor too, and are made again when it starts (the first answer
+# counts; a sample that kills its worker costs one death more).
 
 
 class Supervisor:

@@ -20,7 +20,8 @@ pool core of server/pool.py, which decides everything a worker's life involves):
                     (server/worker.py) per task, Lost(worker_id, incarnation, reason, making)
                     when an actor died (the core replaces it with a Spawn and re-issues its
                     tasks), Shortfall(worker_id, incarnation, message) when a spawned actor has
-                    not started within REPLACE_PATIENCE (NOTE [ Capacity lost ] in
+                    not started within REPLACE_PATIENCE for want of CPUs, or within
+                    SLOW_START_PATIENCE at all (NOTE [ Capacity lost ] in
                     server/pool_supervision.py), and Placed(worker_id, incarnation) once it has.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
 A result of an actor already replaced (an older incarnation) is dropped here: the server
@@ -63,6 +64,11 @@ ACTOR_START_TIMEOUT = 120.0
 # How long a spawned actor may take to start before the bridge tells the server it is short of
 # it (Shortfall), so that its tasks go to the actors that remain.
 REPLACE_PATIENCE = 5.0
+# ... unless the cluster has the CPUs it asks free: then it is only slow to start (a loaded
+# node takes seconds to start a worker process), and the bridge waits up to this long in all,
+# since moving its tasks would have them made twice (the calls stay queued on the actor). Past
+# it, CPUs free but on no single node (fragmented) or not usable by it count as missing.
+SLOW_START_PATIENCE = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +169,8 @@ class _Bridge:
         # only; read by the main loop (a list item read is atomic).
         self.actors: list[Any] = []
         self.incarnations: list[int] = []
-        # Spawned actors not yet started: (worker id, incarnation).
-        self.starting: set[tuple[int, int]] = set()
+        # Spawned actors not yet started, (worker id, incarnation): when each was spawned.
+        self.starting: dict[tuple[int, int], float] = {}
         # Per incarnation: its slots (server/collating.py), as a worker process has its own.
         self.slots: dict[int, WorkerSlots] = {}
         # Per incarnation: the tasks sent to it and not answered, in the order sent (a dict as
@@ -209,17 +215,41 @@ class _Bridge:
                 self.incarnations.append(incarnation)
             self.slots[incarnation] = WorkerSlots()
             self.calls[incarnation] = {}
-        self.starting.add((w, incarnation))
+        self.starting[(w, incarnation)] = time.monotonic()
         # Placing an actor and starting its process takes seconds: the server's `timeout` for
         # its tasks counts from when it has started (Placed), not from the spawn.
         actor.node.remote().future().add_done_callback(
             lambda f: self.done.put((w, incarnation, _STARTED, f))
         )
+        self.be_patient(w, incarnation)
+
+    def be_patient(self, worker_id: int, incarnation: int) -> None:
+        """Looks again at a starting actor after REPLACE_PATIENCE (serve: `overdue`)."""
         patience = threading.Timer(
-            REPLACE_PATIENCE, lambda: self.done.put((w, incarnation, _OVERDUE, Future()))
+            REPLACE_PATIENCE,
+            lambda: self.done.put((worker_id, incarnation, _OVERDUE, Future())),
         )
         patience.daemon = True
         patience.start()
+
+    def overdue(self, worker_id: int, incarnation: int) -> Shortfall | None:
+        """A starting actor's patience ran out: a Shortfall, unless it has started or only
+        seems slow (the CPUs it asks are free: NOTE on SLOW_START_PATIENCE)."""
+        spawned = self.starting.get((worker_id, incarnation))
+        if spawned is None:
+            return None  # started meanwhile
+        free, total = capacity(self.ray)
+        cpus = self.cfg.spec.ray_num_cpus
+        waited = time.monotonic() - spawned
+        if free + 1e-6 >= cpus and waited < SLOW_START_PATIENCE:
+            self.be_patient(worker_id, incarnation)
+            return None
+        return Shortfall(
+            worker_id,
+            incarnation,
+            f"Ray worker {worker_id}'s actor has not started within {waited:.0f} s "
+            f"(it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of {total:g} in the cluster)",
+        )
 
     def forget(self, incarnation: int) -> None:
         """An actor replaced or retired: nothing of it is read again (under the lock)."""
@@ -248,16 +278,6 @@ class _Bridge:
             self.forget(self.incarnations.pop())
             actor = self.actors.pop()
         self.ray.kill(actor, no_restart=True)
-
-    def shortfall(self, worker_id: int, incarnation: int) -> Shortfall:
-        free, total = capacity(self.ray)
-        cpus = self.cfg.spec.ray_num_cpus
-        return Shortfall(
-            worker_id,
-            incarnation,
-            f"Ray worker {worker_id}'s actor has not started within {REPLACE_PATIENCE:g} s "
-            f"(it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of {total:g} in the cluster)",
-        )
 
     def current(self, worker_id: int, incarnation: int) -> bool:
         """The call was made on the actor that now holds this worker id."""
@@ -346,11 +366,12 @@ class _Bridge:
             if task is None:
                 return
             if task == _OVERDUE:
-                if (worker_id, incarnation) in self.starting:
-                    self.cfg.results.send(self.shortfall(worker_id, incarnation))
+                short = self.overdue(worker_id, incarnation)
+                if short is not None:
+                    self.cfg.results.send(short)
                 continue
             if isinstance(task, str):  # _STARTED
-                self.starting.discard((worker_id, incarnation))
+                self.starting.pop((worker_id, incarnation), None)
                 if self.current(worker_id, incarnation) and future.exception() is None:
                     self.cfg.results.send(Placed(worker_id, incarnation))
                 continue  # an actor that failed to start shows in its first task

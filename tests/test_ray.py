@@ -78,7 +78,6 @@ def address(cluster: Cluster) -> Iterator[str]:
     specs = [
         ray_spec("aug", "random-aug"),
         ray_spec("sampler", "sampler", 3),
-        ray_spec("iterable", "iterable"),
         ray_spec("unordered", "random-aug", in_order=False),
         ray_spec("persistent", "map-shuffle", persistent_workers=True),
         ray_spec("per-batch", "random-aug", seeding="per_batch"),
@@ -104,13 +103,10 @@ def epoch_of_local(case: str, epoch: int = 3) -> list[Any]:
     return local_batches(LoaderSpec(name=case, **CASES[case]), SEED, epoch)
 
 
-@pytest.mark.parametrize(
-    ("name", "case", "workers"),
-    [("aug", "random-aug", 2), ("sampler", "sampler", 3), ("iterable", "iterable", 2)],
-)
-def test_ray_workers_give_torchs_batches(address: str, name: str, case: str, workers: int) -> None:
-    remote = epoch_of(address, name)
-    expected = local_batches(LoaderSpec(name=name, num_workers=workers, **CASES[case]), SEED, 3)
+def test_ray_workers_give_torchs_batches_with_a_custom_sampler(address: str) -> None:
+    # Map-style and iterable datasets on both pools: tests/test_pool_contract.py.
+    remote = epoch_of(address, "sampler")
+    expected = local_batches(LoaderSpec(name="sampler", num_workers=3, **CASES["sampler"]), SEED, 3)
     assert len(remote) == len(expected) > 0
     assert_same(remote, expected)
 
@@ -199,28 +195,6 @@ def test_a_removed_node_costs_nothing_of_the_epoch(cluster: Cluster) -> None:
         restarts = server.hosts["slow"].metrics.restarts._value.get()
         assert restarts >= 1  # the actor on the removed node was replaced
         assert [int(b) for b in loader] == list(range(30))  # and the next epoch runs too
-
-
-@pytest.mark.timeout(120)
-def test_a_sample_that_kills_its_actor_is_given_up_after_three_tries(cluster: Cluster) -> None:
-    spec = LoaderSpec(
-        name="crash",
-        dataset="tests.datasets:Crashing",
-        dataset_kwargs={"n": 8, "bad": 3},
-        batch_size=1,
-        num_workers=2,
-        pool="ray",
-        ray_num_cpus=0.25,
-    )
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
-    with Server(settings, [spec]) as server, RemoteLoader(server.address) as loader:
-        it = iter(loader)
-        assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
-        with pytest.raises(DatasetError) as info:
-            next(it)
-        assert info.value.position == 3 and info.value.remote_type == "WorkerDiedError"
-        assert "3 times: it is given up" in str(info.value)
-        assert [int(b) for b in it] == [4, 5, 6, 7]  # the stream goes on after it
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,161 @@
+"""The pool contract, once for each backend: torch's batches, a poison sample given up after
+MAX_TASK_ATTEMPTS, a stuck batch timed out at its position, a worker death costing nothing.
+
+Both backends run on one pool core (server/pool.py): these tests hold every backend to what
+the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
+two nodes on 127.0.0.1). What only one backend has (the fork server, a removed Ray node, Ray's
+start-up errors) is tested beside it, in test_supervision.py and test_ray.py / test_ray_life.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from remote_loader.client import DatasetError, RemoteLoader
+from remote_loader.server.pool import WorkerPool
+from remote_loader.server.server import Server
+from remote_loader.server.settings import ServerSettings
+from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.supervision import MAX_TASK_ATTEMPTS
+from tests.conftest import assert_same
+from tests.test_parity import CASES, SEED, local_batches
+from tests.test_ray import LOOPBACK, start_cluster
+
+TIMEOUT = 1.0
+
+
+def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
+    # Ray: 0.1 CPU an actor, so the loaders' actors and their replacements fit on the two
+    # one-CPU nodes together (and the timeouts count from the cluster's start-up, on a
+    # loaded machine).
+    ray: dict[str, Any] = {"pool": "ray", "ray_num_cpus": 0.1} if pool == "ray" else {}
+    return [
+        LoaderSpec(name="aug", num_workers=2, **CASES["random-aug"], **ray),
+        LoaderSpec(name="iterable", num_workers=2, **CASES["iterable"], **ray),
+        LoaderSpec(
+            name="crash",
+            dataset="tests.datasets:Crashing",
+            dataset_kwargs={"n": 8, "bad": 3},
+            batch_size=1,
+            num_workers=2,
+            persistent_workers=True,
+            **ray,
+        ),
+        LoaderSpec(
+            name="sleepy",
+            dataset="tests.datasets:Sleepy",
+            dataset_kwargs={"n": 8, "bad": 3, "seconds": 60},
+            batch_size=1,
+            num_workers=2,
+            persistent_workers=True,
+            timeout=TIMEOUT,
+            **ray,
+        ),
+        LoaderSpec(
+            name="slow",
+            dataset="tests.datasets:Slow",
+            dataset_kwargs={"n": 24, "seconds": 0.02, "log": log},
+            batch_size=1,
+            num_workers=2,
+            persistent_workers=True,
+            **ray,
+        ),
+    ]
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    ray_address = None
+    cluster = None
+    if request.param == "ray":
+        cluster = start_cluster(2)
+        ray_address = cluster.address
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
+    try:
+        log = str(tmp_path_factory.mktemp(request.param) / "slow-readers")
+        with Server(settings, contract_specs(request.param, log)) as server:
+            yield server
+            server.stop(0)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+def persistent_pool(server: Server, name: str) -> WorkerPool:
+    pool = server.hosts[name]._persistent
+    assert isinstance(pool, WorkerPool)
+    return pool
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "case"), [("aug", "random-aug"), ("iterable", "iterable")])
+def test_workers_give_torchs_batches(served: Server, name: str, case: str) -> None:
+    with RemoteLoader(served.address, name, seed=SEED) as loader:
+        loader.set_epoch(3)
+        remote = list(loader)
+    expected = local_batches(LoaderSpec(name=name, num_workers=2, **CASES[case]), SEED, 3)
+    assert len(remote) == len(expected) > 0
+    assert_same(remote, expected)
+
+
+@pytest.mark.timeout(300)
+def test_a_sample_that_kills_its_worker_is_given_up_and_the_epoch_goes_on(served: Server) -> None:
+    restarts_before = persistent_pool(served, "crash").restarts
+    with RemoteLoader(served.address, "crash") as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        assert info.value.position == 3 and info.value.remote_type == "WorkerDiedError"
+        assert f"{MAX_TASK_ATTEMPTS} times: it is given up" in str(info.value)
+        assert [int(b) for b in it] == [4, 5, 6, 7]
+    # One replacement per death of the worker making the poison sample.
+    assert persistent_pool(served, "crash").restarts - restarts_before == MAX_TASK_ATTEMPTS
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_past_the_timeout_is_an_error_at_its_position(served: Server) -> None:
+    with RemoteLoader(served.address, "sleepy") as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
+        started = time.monotonic()
+        with pytest.raises(DatasetError) as info:
+            next(it)
+        waited = time.monotonic() - started
+        assert info.value.position == 3 and info.value.remote_type == "TimeoutError"
+        assert f"timed out after {TIMEOUT} seconds" in str(info.value)
+        assert waited < TIMEOUT + 2, waited  # the core's check, whatever the backend
+        # The stuck worker was replaced: the batches after it come (a new actor takes seconds).
+        assert [int(b) for b in it] == [4, 5, 6, 7]
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_epoch_costs_nothing(served: Server) -> None:
+    pool = persistent_pool(served, "slow")
+    with RemoteLoader(served.address, "slow") as loader:
+        got = []
+        for i, batch in enumerate(loader):
+            got.append(int(batch))
+            if i == 5:
+                kill_a_worker(pool)
+        assert got == list(range(24))  # every batch once, in order, no error
+        assert [int(b) for b in loader] == list(range(24))  # and the next epoch too
+    assert pool.restarts >= 1
+
+
+def kill_a_worker(pool: WorkerPool) -> None:
+    """SIGKILL the process that read the loader's latest sample: a worker process of the local
+    pool, a Ray actor's process (on this host: the cluster's nodes run here)."""
+    log = pool.spec.dataset_kwargs["log"]
+    with open(log) as readers:
+        pid = int(readers.read().split()[-1])
+    assert pid != os.getpid()
+    os.kill(pid, signal.SIGKILL)
