@@ -65,14 +65,15 @@ class Decision:
 
 def new_tuner(spec: LoaderSpec, prefetch: int) -> WorkerTuner | None:
     """The tuner of a pool whose spec says num_workers or prefetch_factor = "auto"."""
-    if not (spec.autotune or spec.autotune_prefetch):
+    pool = spec.parts.pool
+    if not (pool.autotune or pool.autotune_prefetch):
         return None
     return WorkerTuner(
-        spec.max_workers if spec.max_workers is not None else spec.num_workers,
-        max_pool_bytes=spec.max_pool_bytes,
+        pool.max_workers,
+        max_pool_bytes=pool.max_pool_bytes,
         prefetch=prefetch,
-        workers=spec.autotune,
-        prefetch_factor=spec.autotune_prefetch,
+        workers=pool.autotune,
+        prefetch_factor=pool.autotune_prefetch,
     )
 
 

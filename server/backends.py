@@ -55,12 +55,12 @@ def make_pool(
     metrics: LoaderMetrics,
     ray_address: str | None = None,
 ) -> Pool:
-    """A pool of `spec.pool`'s backend (not started)."""
+    """A pool of the spec's backend (`pool`; not started)."""
     from remote_loader.server.pool import WorkerPool
     from remote_loader.server.pool_backend import WorkerBackend
 
     backend: WorkerBackend
-    if spec.pool == "ray":
+    if spec.parts.pool.backend == "ray":
         require_backend(spec)
         from remote_loader.server.pool_ray import RayBackend
 
@@ -75,13 +75,13 @@ def make_pool(
 
 
 def require_backend(spec: LoaderSpec) -> None:
-    """Raises ConfigError, with the install command, when `spec.pool`'s backend cannot be
+    """Raises ConfigError, with the install command, when the spec's pool backend cannot be
     imported here: at start-up, since a pool that is not persistent is first made by a stream."""
-    if spec.pool != "ray":
+    if spec.parts.pool.backend != "ray":
         return
     # The loader's code in its Ray working_dir (a local folder): the server plans the epochs
     # with the same dataset the actors build, so it imports from there too.
-    working_dir = (spec.ray_runtime_env or {}).get("working_dir")
+    working_dir = spec.parts.pool.ray_runtime_env.get("working_dir")
     if isinstance(working_dir, str) and os.path.isdir(working_dir):
         path = os.path.abspath(working_dir)
         if path not in sys.path:

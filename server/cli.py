@@ -225,7 +225,8 @@ def _check_config(path: str) -> int:
             print(
                 f"{name}: {spec.dataset}, {host.dataset_kind} dataset, batch_size "
                 f"{spec.batch_size}, {_length_text(host)}, {_workers_text(spec)}, "
-                f"{_pool_text(spec, settings.ray_address)}, sharing {', '.join(spec.sharing)}, "
+                f"{_pool_text(spec, settings.ray_address)}, "
+                f"sharing {', '.join(spec.parts.sharing.modes)}, "
                 f"fingerprint {spec.fingerprint()}"
             )
     except ConfigError as exc:
@@ -253,18 +254,20 @@ def _length_text(host: LoaderHost) -> str:
 
 def _workers_text(spec: LoaderSpec) -> str:
     """num_workers as configured: "auto" is not the one worker the pool starts with."""
-    if spec.autotune:
-        return f"num_workers auto (1 to max_workers {spec.max_workers})"
-    return f"num_workers {spec.num_workers}"
+    pool = spec.parts.pool
+    if pool.autotune:
+        return f"num_workers auto (1 to max_workers {pool.max_workers})"
+    return f"num_workers {pool.num_workers}"
 
 
 def _pool_text(spec: LoaderSpec, ray_address: str | None) -> str:
-    if spec.num_workers == 0:
-        return f"pool {spec.pool} (no workers: loads in the server process)"
-    if spec.pool == "ray":
+    pool = spec.parts.pool
+    if pool.num_workers == 0:
+        return f"pool {pool.backend} (no workers: loads in the server process)"
+    if pool.backend == "ray":
         where = f"ray_address {ray_address}" if ray_address else "a local Ray instance"
-        return f"pool ray ({where}, ray_num_cpus {spec.ray_num_cpus:g})"
-    return f"pool {spec.pool}"
+        return f"pool ray ({where}, ray_num_cpus {pool.ray_num_cpus:g})"
+    return f"pool {pool.backend}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,7 +183,7 @@ def _dealt(
     """Every new rank's (index in the epoch, task) pairs, interleaved as sampling.deal
     interleaves them: rank r's k-th at k * world_size + r."""
     rest = _remaining(spec, dataset, seed, epoch, reshard)
-    return deal(rest, world_size, spec.partition_drop_last)
+    return deal(rest, world_size, spec.parts.sharing.partition_drop_last)
 
 
 def _remaining(

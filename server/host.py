@@ -97,14 +97,13 @@ class LoaderHost:
         # What this loader served and where its batches waited; a server's MetricsServer
         # shows it (server/metrics.py).
         self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
-        # torch's default prefetch_factor is 2, as the pool's.
-        self.metrics.configured(spec.num_workers, spec.prefetch_factor or 2)
+        self.metrics.configured(spec.parts.pool.num_workers, spec.parts.pool.prefetch_factor)
         require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
         self.dataset = build_dataset(spec)
         check_length(spec, self.dataset)  # before torch's RandomSampler calls len() itself
         self._loader = build_dataloader(spec, self.dataset)
         self.batching = Batching.of(self._loader)
-        if spec.autotune and self.batching.is_iterable:
+        if spec.parts.pool.autotune and self.batching.is_iterable:
             raise ConfigError(
                 f'loader {spec.name!r}: num_workers = "auto" needs a map-style dataset: an '
                 "IterableDataset shards itself by the worker count, which autotuning changes"
@@ -161,7 +160,7 @@ class LoaderHost:
             return resharded_length(
                 reshard,
                 world_size,
-                self.spec.partition_drop_last,
+                self.spec.parts.sharing.partition_drop_last,
                 epoch,
                 lambda w: epoch_length(self._loader, self.spec, w),
             )
@@ -190,7 +189,8 @@ class LoaderHost:
 
     def start(self) -> None:
         """Starts the persistent workers, if the spec asks for them (before the gRPC server)."""
-        if self.spec.persistent_workers and self.spec.num_workers > 0:
+        pool = self.spec.parts.pool
+        if pool.persistent_workers and pool.num_workers > 0:
             with self._cond:
                 self._persistent = self._new_pool()
 
@@ -217,7 +217,7 @@ class LoaderHost:
         epoch of the same trainers, whose slowest rank is finishing the last one. A Run of
         another job gets workers of its own at once.
         """
-        if self.spec.num_workers == 0:
+        if self.spec.parts.pool.num_workers == 0:
             yield InlineEngine(
                 self.spec,
                 self.dataset,
@@ -240,8 +240,7 @@ class LoaderHost:
             self._give_back(pool)
 
     def _take_persistent(self, job: str, give_up: Callable[[], bool]) -> Pool | None:
-        wait = self.spec.workers_timeout
-        assert wait is not None  # LoaderSpec sets it (None: as detach_timeout)
+        wait = self.spec.parts.timeouts.workers
         deadline = time.monotonic() + wait
         with self._cond:
             while True:

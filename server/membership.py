@@ -32,10 +32,10 @@ class Membership:
                 f"unknown sharing mode {clip(self.sharing)!r}; the modes are "
                 f"{', '.join(SHARING_MODES)}"
             )
-        if self.sharing not in spec.sharing:
+        if self.sharing not in spec.parts.sharing.modes:
             raise SharingError(
                 f"loader {spec.name!r} does not allow sharing={self.sharing!r}; it allows "
-                f"{', '.join(spec.sharing)} (the server's `sharing` option)"
+                f"{', '.join(spec.parts.sharing.modes)} (the server's `sharing` option)"
             )
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise SharingError(

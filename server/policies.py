@@ -292,7 +292,7 @@ class Dynamic(_QueuePolicy):
         now = time.monotonic()
         if seat.waiting_since is None:
             seat.waiting_since = now
-        return lane.taken == 0 or now - seat.waiting_since >= _seconds(self.spec.handback_timeout)
+        return lane.taken == 0 or now - seat.waiting_since >= self.spec.parts.timeouts.handback
 
     def let_go(self, seat: Holder) -> None:
         # Batches it took but did not finish sending go to the next consumer that asks, first,
@@ -322,7 +322,9 @@ class Broadcast(Policy[Reader]):
 
     def __init__(self, *args: Any, start: int, **kwargs: Any) -> None:
         super().__init__(*args, start=start, **kwargs)
-        self._lane = BroadcastLane(self.spec.in_order, self.spec.broadcast_window)
+        self._lane = BroadcastLane(
+            self.spec.parts.batching.in_order, self.spec.parts.sharing.broadcast_window
+        )
         self._lane.begin(self._lane_tasks(0), start, self._iterable)
         self.lanes.append(self._lane)
         # The consumers served, in the order they joined: those that left or were detached are
@@ -373,7 +375,7 @@ class Broadcast(Policy[Reader]):
     def make_room(self, lane: Lane) -> None:
         if self._holding_for_group and (
             len(self._ranks) >= self.key.world_size
-            or time.monotonic() - self._started_at >= _seconds(self.spec.group_timeout)
+            or time.monotonic() - self._started_at >= self.spec.parts.timeouts.group
         ):
             self._holding_for_group = False
         if self._lane.backlog() >= self._lane.window:
@@ -399,7 +401,7 @@ class Broadcast(Policy[Reader]):
         available_at = lane.entries[0].made_at
         for r in list(readers):
             stalled = now - max(r.moved_at, available_at)
-            if r.cursor == slowest and stalled >= self.spec.detach_timeout:
+            if r.cursor == slowest and stalled >= self.spec.parts.timeouts.detach:
                 log.warning(
                     "loader %r job %r epoch %d: detaching broadcast consumer rank %d: it sent "
                     "nothing for %.1f s while others waited (detach_timeout)",
@@ -413,7 +415,7 @@ class Broadcast(Policy[Reader]):
                 self._detach(
                     r,
                     f"detached from the broadcast of loader {self.spec.name!r}: it sent no "
-                    f"batch for {self.spec.detach_timeout:g} s (detach_timeout) while the "
+                    f"batch for {self.spec.parts.timeouts.detach:g} s (detach_timeout) while the "
                     f"other consumers waited; it was {fastest - slowest} batches behind",
                 )
         if readers:
@@ -435,9 +437,3 @@ def admit(membership: Membership, spec: LoaderSpec, iterable: bool) -> None:
     refusal = policy_for(membership.sharing).refusal(membership, spec, iterable)
     if refusal is not None:
         raise SharingError(refusal)
-
-
-def _seconds(timeout: float | None) -> float:
-    """A sharing wait of the spec: set by LoaderSpec (None only before __post_init__)."""
-    assert timeout is not None
-    return timeout

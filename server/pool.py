@@ -117,12 +117,13 @@ class WorkerPool:
         *,
         metrics: LoaderMetrics | None = None,
     ) -> None:
-        if spec.num_workers < 1:
+        options = spec.parts.pool
+        if options.num_workers < 1:
             raise ValueError("a WorkerPool needs num_workers >= 1; num_workers=0 loads in-process")
         self.spec = spec
         self.batching = batching
-        self.num_workers = spec.num_workers
-        self.prefetch = spec.prefetch_factor if spec.prefetch_factor is not None else 2
+        self.num_workers = options.num_workers
+        self.prefetch = options.prefetch_factor
         self.max_outstanding = in_flight_bound(self.prefetch, self.num_workers)
         self._metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._backend = backend

@@ -112,9 +112,11 @@ class Supervisor:
 
         Returns an error Outcome for a task that has used up its attempts or timed out.
         """
-        if self._spec.timeout > 0:
+        if self._spec.parts.timeouts.batch > 0:
             starting = {w for w in range(self._backend.workers) if not self._backend.ready(w)}
-            stuck = self._ledger.overdue(self._spec.timeout, self._backend.making, starting)
+            stuck = self._ledger.overdue(
+                self._spec.parts.timeouts.batch, self._backend.making, starting
+            )
             if stuck is not None:
                 self._failed.append(self._stop_stuck(stuck))
         for worker_id in range(self._backend.workers):
@@ -132,11 +134,11 @@ class Supervisor:
         log.warning(
             "loader %r: no batch within timeout=%g s; stopping %s, which has batch task %d",
             self._spec.name,
-            self._spec.timeout,
+            self._spec.parts.timeouts.batch,
             who,
             stuck.task_id,
         )
-        failed = self._ledger.timed_out(stuck, self._spec.timeout, who)
+        failed = self._ledger.timed_out(stuck, self._spec.parts.timeouts.batch, who)
         self._backend.kill(stuck.worker_id)
         return failed
 

@@ -160,7 +160,7 @@ class _Bridge:
         self.inbox = inbox  # the server's commands, from the watcher (server/ray_connect.py)
         spec = cfg.spec
         self.actor_class = ray.remote(RayWorker).options(
-            num_cpus=spec.ray_num_cpus,
+            num_cpus=spec.parts.pool.ray_num_cpus,
             scheduling_strategy="SPREAD",
             max_restarts=0,  # replaced by the server's pool core, which re-issues its tasks
             max_task_retries=0,
@@ -195,7 +195,7 @@ class _Bridge:
         )
 
     def start(self) -> Started:
-        n = self.cfg.spec.num_workers
+        n = self.cfg.spec.parts.pool.num_workers
         self.actors = [self.new_actor(w, n) for w in range(n)]
         self.incarnations = list(range(n))
         self.slots = {w: WorkerSlots() for w in range(n)}
@@ -239,7 +239,7 @@ class _Bridge:
         if spawned is None:
             return None  # started meanwhile
         free, total = capacity(self.ray)
-        cpus = self.cfg.spec.ray_num_cpus
+        cpus = self.cfg.spec.parts.pool.ray_num_cpus
         waited = time.monotonic() - spawned
         if free + 1e-6 >= cpus and waited < SLOW_START_PATIENCE:
             self.be_patient(worker_id, incarnation)
@@ -261,7 +261,7 @@ class _Bridge:
         actor, incarnation = self.actors[worker_id], self.incarnations[worker_id]
         if isinstance(message, EpochStart):
             # `fresh`: torch's new worker processes of an epoch without persistent_workers.
-            fresh = not self.cfg.spec.persistent_workers
+            fresh = not self.cfg.spec.parts.pool.persistent_workers
             actor.begin_epoch.remote(
                 message.epoch_key, message.base_seed, message.compression, fresh
             )
@@ -400,12 +400,13 @@ def bridge_main(cfg: BridgeConfig) -> None:
         code = [spec.dataset, spec.sampler, spec.batch_sampler, spec.collate_fn]
         connect(
             cfg.address,
-            spec.ray_runtime_env,
-            [p for p in (*code, spec.worker_init_fn) if p],
+            spec.parts.pool.ray_runtime_env,
+            [p for p in (*code, spec.parts.pool.worker_init_fn) if p],
             lambda why: cfg.results.send(StartFailed(why)),
         )
         bridge = _Bridge(cfg, inbox)
-        wait_for_capacity(bridge.ray, cfg.spec.num_workers, cfg.spec.ray_num_cpus)
+        pool = cfg.spec.parts.pool
+        wait_for_capacity(bridge.ray, pool.num_workers, pool.ray_num_cpus)
         started = bridge.start()
     except Exception as exc:
         cfg.results.send(StartFailed(f"{type(exc).__name__}: {exc}"))

@@ -34,7 +34,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # How long the bridge tries to open a TCP connection, then a gRPC one, to ray_address before
@@ -148,7 +148,7 @@ def import_roots(paths: list[str]) -> list[str]:
 
 def connect(
     address: str | None,
-    runtime_env: dict[str, Any] | None,
+    runtime_env: Mapping[str, Any],
     code: list[str],
     failed: Callable[[str], None],
 ) -> None:
@@ -168,7 +168,7 @@ def connect(
 
 def _init_within(
     address: str | None,
-    runtime_env: dict[str, Any] | None,
+    runtime_env: Mapping[str, Any],
     roots: list[str],
     failed: Callable[[str], None],
 ) -> None:
@@ -194,7 +194,7 @@ def _init_within(
         "logging_level": "WARNING",
         "log_to_driver": False,
         "configure_logging": False,
-        "runtime_env": runtime_env or None,
+        "runtime_env": dict(runtime_env) or None,
         # Ray adds the driver's working directory (here an empty one) to these itself.
         "job_config": ray.job_config.JobConfig(_py_driver_sys_path=roots),
     }

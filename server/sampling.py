@@ -193,9 +193,10 @@ def epoch_length(loader: DataLoader[Any], spec: LoaderSpec, world_size: int) -> 
     """Batches one rank of `world_size` receives per epoch; TypeError when unknown."""
     if world_size == 1:
         return len(loader)
+    drop_last = spec.parts.sharing.partition_drop_last
     if spec.batch_sampler is not None:
-        return share_size(len(loader.batch_sampler), world_size, spec.partition_drop_last)  # type: ignore[arg-type]
-    samples = share_size(len(loader.sampler), world_size, spec.partition_drop_last)  # type: ignore[arg-type]
+        return share_size(len(loader.batch_sampler), world_size, drop_last)  # type: ignore[arg-type]
+    samples = share_size(len(loader.sampler), world_size, drop_last)  # type: ignore[arg-type]
     if loader.batch_size is None:
         return samples
     if loader.drop_last:
@@ -243,7 +244,7 @@ def plan_epoch(
 
     if isinstance(dataset, IterableDataset):
         raise ValueError("an IterableDataset cannot be partitioned by the server")
-    drop = spec.partition_drop_last
+    drop = spec.parts.sharing.partition_drop_last
     batch_size = loader.batch_size
     if spec.batch_sampler is not None:
         # Split by batch: the loader's own batches of this epoch, dealt out like samples.

@@ -154,7 +154,7 @@ class LoaderService:
             fingerprint=spec.fingerprint(),
         )
         membership = self._membership(host, request.consumer)
-        info.sharing.extend(spec.sharing)
+        info.sharing.extend(spec.parts.sharing.modes)
         with contextlib.suppress(TypeError):  # unknown for an unsized IterableDataset
             info.epoch_length = len(host)
         seed = request.seed if request.HasField("seed") else spec.seed
@@ -166,11 +166,12 @@ class LoaderService:
             info.batch_size = spec.batch_size
         with contextlib.suppress(TypeError):
             info.dataset_length = len(host.dataset)
-        if spec.num_workers > 0:
+        pool = spec.parts.pool
+        if pool.num_workers > 0:
             started = host.pool_info
-            info.pool.backend = spec.pool
+            info.pool.backend = pool.backend
             info.pool.nodes = int(started.get("nodes", 0))
-            info.pool.workers = int(started.get("workers", spec.num_workers))
+            info.pool.workers = int(started.get("workers", pool.num_workers))
         return info
 
     def Stream(

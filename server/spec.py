@@ -17,6 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from remote_loader.server.spec_parts import (
+    BatchingPart,
+    DatasetPart,
+    PoolPart,
+    SharingPart,
+    SpecParts,
+    Timeouts,
+)
+
 # TOML has no null. `batch_size = "none"` (any case) spells torch's batch_size=None: no
 # automatic batching, each sample is converted (default_convert) and sent as its own batch.
 BATCH_SIZE_NONE = "none"
@@ -162,6 +171,46 @@ class LoaderSpec:
                 )
             if value is None:  # as detach_timeout, which all four were once
                 object.__setattr__(self, key, self.detach_timeout)
+        # Not a field: eq, repr, asdict and the fingerprint ignore it; pickled with the spec.
+        object.__setattr__(self, "_parts", self._resolve())
+
+    @property
+    def parts(self) -> SpecParts:
+        """The spec resolved, one part per stage (server/spec_parts.py)."""
+        parts: SpecParts = self.__dict__["_parts"]
+        return parts
+
+    def _resolve(self) -> SpecParts:
+        prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
+        max_workers = self.max_workers if self.max_workers is not None else self.num_workers
+        timeouts = [getattr(self, key) for key in SHARING_TIMEOUTS]
+        assert all(t is not None for t in timeouts)  # resolved above
+        return SpecParts(
+            dataset=DatasetPart(self.dataset, self.dataset_kwargs),
+            batching=BatchingPart(
+                batch_size=self.batch_size,
+                shuffle=bool(self.shuffle),
+                drop_last=self.drop_last,
+                in_order=self.in_order,
+                seed=self.seed,
+                seeding=self.seeding,
+            ),
+            pool=PoolPart(
+                backend=self.pool,
+                num_workers=self.num_workers,
+                prefetch_factor=prefetch,
+                persistent_workers=self.persistent_workers,
+                worker_init_fn=self.worker_init_fn,
+                autotune=self.autotune,
+                autotune_prefetch=self.autotune_prefetch,
+                max_workers=max_workers,
+                max_pool_bytes=self.max_pool_bytes,
+                ray_num_cpus=self.ray_num_cpus,
+                ray_runtime_env=dict(self.ray_runtime_env or {}),
+            ),
+            sharing=SharingPart(self.sharing, self.partition_drop_last, self.broadcast_window),
+            timeouts=Timeouts(self.timeout, *timeouts),
+        )
 
     def _check_auto(self, where: str) -> None:
         if self.num_workers == AUTO:  # type: ignore[comparison-overlap]

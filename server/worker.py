@@ -257,8 +257,9 @@ class WorkerState:
             id=self.worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
         )
         try:
-            if not self.initialized and self.spec.worker_init_fn:
-                resolve(self.spec.worker_init_fn, "worker_init_fn")(self.worker_id)
+            init_fn = self.spec.parts.pool.worker_init_fn
+            if not self.initialized and init_fn:
+                resolve(init_fn, "worker_init_fn")(self.worker_id)
             self.initialized = True
             assert self.collate_fn is not None
             self.fetcher = Fetcher(self.dataset, self.batching, self.collate_fn)
