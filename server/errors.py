@@ -7,7 +7,7 @@ protos/reasons.py), and its message is the status details. The service maps them
 (service._statuses): anything else that escapes a call is a bug, reported as INTERNAL.
 
 Control flow that is not an error of the call stays outside the tree: StreamStopped (the
-client went while the server waited on it) and LeaseAbandoned (a Run closed before it got its
+client went while the server waited on it) and BorrowAbandoned (a Run closed before it got its
 engine) are caught where they are raised.
 
     class (status, reason)

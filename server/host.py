@@ -29,7 +29,7 @@ from remote_loader.server.inline import InlineEngine
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.policies import admit, policy_for
-from remote_loader.server.run import Consumer, LeaseAbandoned
+from remote_loader.server.run import BorrowAbandoned, Consumer
 from remote_loader.server.sampling import (
     Batching,
     EpochPlan,
@@ -119,7 +119,7 @@ class LoaderHost:
         self.runs = Runs(
             spec,
             self._plan,
-            self._lease,
+            self._borrow,
             iterable=self.batching.is_iterable,
             metrics=self.metrics,
         )
@@ -209,7 +209,7 @@ class LoaderHost:
         return pool
 
     @contextlib.contextmanager
-    def _lease(self, job: str, give_up: Callable[[], bool]) -> Iterator[Engine]:
+    def _borrow(self, job: str, give_up: Callable[[], bool]) -> Iterator[Engine]:
         """The engine for one Run: in-process loading, the persistent pool, or a pool of its own.
 
         A persistent pool runs one epoch at a time (its workers' RNGs are per epoch). While a Run
@@ -255,7 +255,7 @@ class LoaderHost:
                 if self._persistent_job != job or remaining <= 0:
                     return None
                 if give_up():
-                    raise LeaseAbandoned(job)
+                    raise BorrowAbandoned(job)
                 self._cond.wait(min(remaining, POLL_INTERVAL))
 
     def _give_back(self, pool: Pool) -> None:

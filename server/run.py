@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 #
 # A Run moves one way through these states; `cond` guards every field named here.
 #
-#   waiting   its thread waits in `lease` for an engine (a persistent pool busy with the job's
+#   waiting   its thread waits in `borrow` for an engine (a persistent pool busy with the job's
 #             previous epoch). Consumers attach and wait in next().
 #   producing the thread holds the engine: each step submits what the lanes want (they take
 #             turns) and waits, without `cond`, for one outcome, which it puts back in order.
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 #   (partition, broadcast), or whatever is left of the shared lane (dynamic).
 
 
-class LeaseAbandoned(Exception):
+class BorrowAbandoned(Exception):
     """The Run that waited for an engine closed meanwhile: it needs none any more."""
 
 
@@ -203,7 +203,7 @@ class Run:
         key: RunKey,
         spec: LoaderSpec,
         plan: EpochPlan,
-        lease: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
+        borrow: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
         on_close: Callable[[Consumer, bool], None],
@@ -214,7 +214,7 @@ class Run:
         self.spec = spec
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
-        self._lease = lease
+        self._borrow = borrow
         self._on_close = on_close  # each Consumer's (Consumer.close, Consumer.let_go)
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
@@ -327,9 +327,9 @@ class Run:
     def _produce(self) -> None:
         engine: Engine | None = None
         try:
-            # The lease may wait for the job's persistent workers; it gives up once this Run
+            # Borrowing may wait for the job's persistent workers; it gives up once this Run
             # closes, so the last consumer's detach (on gRPC's callback thread) is not held.
-            with self._lease(lambda: self.closing) as engine:
+            with self._borrow(lambda: self.closing) as engine:
                 with self.cond:
                     self._window = max(MIN_LANE_WINDOW, engine.max_outstanding)
                     self.policy.set_window(self._window)
@@ -343,7 +343,7 @@ class Run:
                     raise
                 finally:
                     engine.end_epoch()
-        except LeaseAbandoned:
+        except BorrowAbandoned:
             pass
         except WorkerInitError as exc:
             with self.cond:

@@ -73,7 +73,7 @@ class Runs:
         self,
         spec: LoaderSpec,
         plan: Callable[[int, int, int, Reshard | None], EpochPlan],
-        lease: Callable[[str, Callable[[], bool]], AbstractContextManager[Engine]],
+        borrow: Callable[[str, Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
         metrics: LoaderMetrics | None = None,
@@ -82,7 +82,7 @@ class Runs:
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self._iterable = iterable
         self._plan = plan  # (seed, epoch, world_size, reshard) -> EpochPlan
-        self._lease = lease  # (job, gave up?) -> the engine for one Run
+        self._borrow = borrow  # (job, gave up?) -> the engine for one Run
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
         # Consumers gRPC's cancellation callback let go; None stops the reaper (NOTE [ Sharing ]).
@@ -129,7 +129,7 @@ class Runs:
                         key,
                         self.spec,
                         plan,
-                        lambda give_up: self._lease(membership.job, give_up),
+                        lambda give_up: self._borrow(membership.job, give_up),
                         iterable=self._iterable,
                         on_close=self._detach,
                         start=start,

@@ -41,10 +41,10 @@ def make_run(sharing: str, world_size: int = 1, start: int = 0, **options: Any) 
     shares = policy_for(sharing).plan_world_size(Membership(sharing, "job", 0, world_size))
     plan = EpochPlan(0, 0, 0, shares, lambda r: iter(share(EPOCH, r, shares, drop_last=False)))
     key = RunKey(sharing, "job", 0, 0, world_size)
-    return Run(key, spec, plan, _never_leased, iterable=False, on_close=_detach, start=start)
+    return Run(key, spec, plan, _never_lent, iterable=False, on_close=_detach, start=start)
 
 
-def _never_leased(give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
+def _never_lent(give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
     raise AssertionError("these Runs are never started")
 
 

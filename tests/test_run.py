@@ -91,10 +91,10 @@ def registry(engine: FakeEngine, epoch: list[list[int]], **options: Any) -> Runs
             seed, number, 0, world_size, lambda r: iter(share(epoch, r, world_size, False))
         )
 
-    def lease(job: str, give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
+    def borrow(job: str, give_up: Callable[[], bool]) -> contextlib.AbstractContextManager[Engine]:
         return contextlib.nullcontext(engine)
 
-    runs = Runs(spec, plan, lease, iterable=False)
+    runs = Runs(spec, plan, borrow, iterable=False)
     _OPEN.append(runs)  # closed after the test, which also stops its reaper thread
     return runs
 
