@@ -1,5 +1,6 @@
-"""The pool contract, once for each backend: torch's batches, a poison sample given up after
-MAX_TASK_ATTEMPTS, a stuck batch timed out at its position, a worker death costing nothing.
+"""The pool contract, once for each backend: torch's batches, batches of any size whole, a poison
+sample given up after MAX_TASK_ATTEMPTS, a stuck batch timed out at its position, a worker death
+costing nothing.
 
 Both backends run on one pool core (server/pool.py): these tests hold every backend to what
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
@@ -28,6 +29,9 @@ from tests.test_parity import CASES, SEED, local_batches
 from tests.test_ray import LOOPBACK, start_cluster
 
 TIMEOUT = 1.0
+# Batch sizes that grow, shrink and spike: workers' slots (the Ray bridge's, per actor) grow,
+# are dropped when too small and are reused (a slot carries every size below its own).
+SIZES = [1 << 10, 3 << 20, 10, 5 << 20, 0, 2 << 20, 100 << 10, 7 << 20, 1, 3 << 20, 64, 6 << 20]
 
 
 def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
@@ -38,6 +42,14 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     return [
         LoaderSpec(name="aug", num_workers=2, **CASES["random-aug"], **ray),
         LoaderSpec(name="iterable", num_workers=2, **CASES["iterable"], **ray),
+        LoaderSpec(
+            name="sizes",
+            dataset="tests.datasets:Sizes",
+            dataset_kwargs={"sizes": SIZES},
+            batch_size=1,
+            num_workers=2,
+            **ray,
+        ),
         LoaderSpec(
             name="crash",
             dataset="tests.datasets:Crashing",
@@ -104,6 +116,15 @@ def test_workers_give_torchs_batches(served: Server, name: str, case: str) -> No
     expected = local_batches(LoaderSpec(name=name, num_workers=2, **CASES[case]), SEED, 3)
     assert len(remote) == len(expected) > 0
     assert_same(remote, expected)
+
+
+@pytest.mark.timeout(300)
+def test_batches_of_any_size_arrive_whole_in_order(served: Server) -> None:
+    with RemoteLoader(served.address, "sizes") as loader:
+        for epoch in range(2):  # the second reuses what the first grew
+            loader.set_epoch(epoch)
+            got = [(b.numel(), set(b.unique().tolist())) for b in loader]
+            assert got == [(n, {i % 256} if n else set()) for i, n in enumerate(SIZES)]
 
 
 @pytest.mark.timeout(300)
