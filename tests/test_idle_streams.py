@@ -3,6 +3,7 @@ keep them while it has room (NOTE [ Idle streams ] in server/admission.py), over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -130,7 +131,7 @@ def test_streams_that_read_nothing_give_their_places_to_a_trainer(
 def test_a_paused_trainer_keeps_its_stream_while_the_server_has_room(
     serve_loaders: ServeLoaders,
 ) -> None:
-    blobs = LoaderSpec(**{**BLOBS.__dict__, "dataset_kwargs": {"n": 24, "nbytes": 1 << 20}})
+    blobs = dataclasses.replace(BLOBS, dataset_kwargs={"n": 24, "nbytes": 1 << 20})
     served = serve_loaders(blobs, max_streams=2, idle_stream_timeout=0.5)
     with RemoteLoader(served.address, "blobs", device="cpu", retries=0) as trainer:
         it = iter(trainer)
@@ -147,7 +148,7 @@ def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: str
 ) -> None:
     caplog.set_level(logging.INFO, logger="remote_loader.server.service")
-    blobs = LoaderSpec(**{**BLOBS.__dict__, "dataset_kwargs": {"n": 64, "nbytes": 1 << 20}})
+    blobs = dataclasses.replace(BLOBS, dataset_kwargs={"n": 64, "nbytes": 1 << 20})
     served = serve_loaders(blobs, SMALL, max_streams=1, idle_stream_timeout=1.0)
     with RemoteLoader(served.address, "blobs", device="cpu", transport=transport) as paused:
         it = iter(paused)
