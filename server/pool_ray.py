@@ -33,6 +33,7 @@ worker state (dataset rebuilt, worker_init_fn again) for when a pool is kept.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -70,6 +71,21 @@ START_TIMEOUT = ACTOR_START_TIMEOUT + 30.0
 BRIDGE_JOIN_TIMEOUT = 10.0
 
 
+@dataclasses.dataclass
+class _Actor:
+    """What the server knows of one worker's actor: its incarnation, whether it has started
+    (Placed) and, once the bridge reported it Lost, why it died and what it was making."""
+
+    incarnation: int
+    ready: bool
+    alive: bool = True
+    making: int = -1
+    death: str = ""
+
+    def died(self, reason: str, making: int) -> None:
+        self.alive, self.death, self.making = False, reason, making
+
+
 class RayBackend:
     """Workers as Ray actors, one per worker id, replaced by a new actor (a new incarnation)
     when one dies. See NOTE [ Ray bridge ] and NOTE [ Ray data path ]."""
@@ -94,13 +110,8 @@ class RayBackend:
         self._results: multiprocessing.connection.Connection | None = None
         self._next_incarnation = itertools.count()
         self._placed = 0  # actors the bridge placed at start: incarnations 0..placed-1
-        # Per worker id: its actor's incarnation, whether it lives, whether it has started,
-        # the task its death interrupted and why it died (from the bridge's Lost).
-        self._incarnations: list[int] = []
-        self._alive: list[bool] = []
-        self._ready: list[bool] = []
-        self._making: list[int] = []
-        self._deaths: list[str] = []
+        # Per worker id: what this side knows of its actor.
+        self._actors: list[_Actor] = []
 
     @property
     def where(self) -> str:
@@ -108,7 +119,7 @@ class RayBackend:
 
     @property
     def workers(self) -> int:
-        return len(self._incarnations)
+        return len(self._actors)
 
     @property
     def pids(self) -> list[int]:
@@ -179,17 +190,12 @@ class RayBackend:
         placed = incarnation < self._placed  # one of the actors the bridge placed at start
         if not placed:
             self._command(Spawn(worker_id, num_workers, incarnation))
-        state = (incarnation, True, placed, -1, "")
+        actor = _Actor(incarnation, ready=placed)
         if worker_id == self.workers:
-            for column, value in zip(self._columns(), state, strict=True):
-                column.append(value)
+            self._actors.append(actor)
         else:
-            for column, value in zip(self._columns(), state, strict=True):
-                column[worker_id] = value
+            self._actors[worker_id] = actor
         return incarnation
-
-    def _columns(self) -> tuple[list[Any], ...]:
-        return (self._incarnations, self._alive, self._ready, self._making, self._deaths)
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
         self._command(Send(worker_id, message))
@@ -221,14 +227,12 @@ class RayBackend:
             return message if current else None  # else its task was re-issued
         if isinstance(message, Lost):
             if self._current(message.worker_id, message.incarnation):
-                self._alive[message.worker_id] = False
-                self._making[message.worker_id] = message.making
-                self._deaths[message.worker_id] = message.reason
+                self._actors[message.worker_id].died(message.reason, message.making)
             return None
         if isinstance(message, Placed):
             if not self._current(message.worker_id, message.incarnation):
                 return None
-            self._ready[message.worker_id] = True
+            self._actors[message.worker_id].ready = True
             return Ready(message.worker_id)
         if isinstance(message, Shortfall):
             if not self._current(message.worker_id, message.incarnation):
@@ -237,36 +241,34 @@ class RayBackend:
         raise AssertionError(f"unexpected message from the Ray bridge: {message!r}")
 
     def _current(self, worker_id: int, incarnation: int) -> bool:
-        return worker_id < self.workers and self._incarnations[worker_id] == incarnation
+        return worker_id < self.workers and self._actors[worker_id].incarnation == incarnation
 
     def alive(self, worker_id: int) -> bool:
-        return self._alive[worker_id]
+        return self._actors[worker_id].alive
 
     def ready(self, worker_id: int) -> bool:
-        return self._ready[worker_id]
+        return self._actors[worker_id].ready
 
     def making(self, worker_id: int) -> int:
-        return self._making[worker_id]
+        return self._actors[worker_id].making
 
     def who(self, worker_id: int) -> str:
         return f"Ray worker {worker_id}"
 
     def death(self, worker_id: int) -> str:
-        return self._deaths[worker_id]
+        return self._actors[worker_id].death
 
     def kill(self, worker_id: int) -> None:
         self._command(Kill(worker_id))
-        self._alive[worker_id] = False
-        self._making[worker_id] = -1  # the task it was stuck on was given up
-        self._deaths[worker_id] = f"Ray worker {worker_id} was stopped"
+        # The task it was stuck on was given up: it dies making nothing of the ledger's.
+        self._actors[worker_id].died(f"Ray worker {worker_id} was stopped", making=-1)
 
     def discard(self, worker_id: int) -> None:
         """Nothing to drop: the bridge drops a replaced actor's results and slots at the Spawn."""
 
     def retire_last(self) -> None:
         self._command(Retire())
-        for column in self._columns():
-            column.pop()
+        self._actors.pop()
 
     def _command(self, message: object) -> None:
         try:
