@@ -16,7 +16,8 @@ can, the server forwards only where the batch is:
                                               namespace; with the same user it may open the
                                               server's descriptors too. Then, per batch in a
                                               worker's slot (the pool's, the Ray bridge's):
-                                              leases the entry (its slot stays the batch's) and
+                                              holds the batch's slot lease (its slot stays the
+                                              batch's: NOTE [ Slot lease ], server/lease.py) and
                                               sends ShmBatch.slot: the server's pid, the fd it
                                               holds the slot open on, the file's inode and size,
                                               the offset and the slot's generation
@@ -25,7 +26,7 @@ can, the server forwards only where the batch is:
     size, maps it read-only, copies the       worker once every consumer that leased it released
     batch out, checks the generation, then    it (the control ring's cursor passed its number)
     stores the batch's number in the control  and the policy is done with the entry
-    ring's cursor
+    ring's cursor                             (the lease's give-back)
 
 The control ring is an ordinary ring of one ALIGN of data that only carries the header words:
 its cursor counts the slot batches released, and its attached flag and heartbeat serve as a
