@@ -241,13 +241,12 @@ class WorkerPool:
         return None
 
     def _reassign(self, worker_id: int) -> int:
-        """The Supervisor's, for a worker gone short: its tasks go to the others, in order;
-        how many moved. With no other worker they stay, and it is not short after all."""
+        """The Supervisor's, for a worker gone short: its tasks go to the others, in order,
+        while another worker takes tasks; how many moved."""
         held = self._ledger.held_by(worker_id)
         for moved, pending in enumerate(held):
             other = self._next_worker()
             if other is None:
-                self._supervisor.short.discard(worker_id)
                 return moved
             self._send(self._ledger.move(pending, other))
         return len(held)
@@ -374,7 +373,7 @@ class WorkerPool:
         self._backend.retire_last()
         self._slots.forget(self._incarnations.pop())
         self.num_workers -= 1
-        self._supervisor.short.discard(self.num_workers)
+        self._supervisor.forget(self.num_workers)
         self._resized()
 
     def _resized(self) -> None:

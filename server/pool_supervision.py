@@ -162,6 +162,10 @@ class Supervisor:
             self._send(pending)
         return reissue.given_up
 
+    def forget(self, worker_id: int) -> None:
+        """The worker is gone for good (autotuning removed it): it is no longer short."""
+        self.short.discard(worker_id)
+
     def ready(self, event: Ready) -> None:
         """A replacement started: its tasks' `timeout` counts from now; a short worker is back."""
         self._ledger.worker_ready(event.worker_id)
@@ -184,10 +188,12 @@ class Supervisor:
                 f"{event.message}; an IterableDataset shards itself by worker, so its epoch "
                 "cannot go on without it"
             )
-        self.short.add(event.worker_id)
+        held = len(self._ledger.held_by(event.worker_id))
+        self.short.add(event.worker_id)  # before moving: it takes none of its own tasks back
         moved = self._reassign(event.worker_id)
-        if event.worker_id not in self.short:
-            return  # no worker left to take its tasks: they wait for the replacement
+        if moved < held:  # no worker left to take them: they wait for the replacement
+            self.short.discard(event.worker_id)
+            return
         self._capacity_changed()
         log.warning(
             "loader %r: %s; %d of %d workers, %d task(s) moved",
