@@ -138,8 +138,14 @@ def test_a_sample_that_kills_its_worker_is_given_up_and_the_epoch_goes_on(served
         assert info.value.position == 3 and info.value.remote_type == "WorkerDiedError"
         assert f"{MAX_TASK_ATTEMPTS} times: it is given up" in str(info.value)
         assert [int(b) for b in it] == [4, 5, 6, 7]
-    # One replacement per death of the worker making the poison sample.
-    assert persistent_pool(served, "crash").restarts - restarts_before == MAX_TASK_ATTEMPTS
+    # A replacement per death; on Ray a death may be charged to a batch the actor had just
+    # finished (its answer reached the bridge after the failures of its queued calls), which
+    # costs one death more before the poison sample's three are counted.
+    restarts = persistent_pool(served, "crash").restarts - restarts_before
+    assert restarts == MAX_TASK_ATTEMPTS or (
+        served.hosts["crash"].pool_info["backend"] == "ray"
+        and MAX_TASK_ATTEMPTS <= restarts <= MAX_TASK_ATTEMPTS + 1
+    ), restarts
 
 
 @pytest.mark.timeout(300)
