@@ -12,6 +12,10 @@ CPUs and N worker nodes of --cpus-per-node CPUs each; the scaling run repeats th
 each N in --nodes. On a small machine the simulated nodes share its cores, so more nodes show
 Ray's overhead, not a speed-up: run it unchanged on a bigger box (or a real cluster) for that.
 
+Simulated nodes share this host, so their actors hand batches over on direct lanes (NOTE
+[ Ray direct lane ] in server/ray_lane.py); --through-store sends them through Ray's object
+store instead, as actors on other hosts do.
+
 Printed per node count: batches/s of each pool (median over --rounds), their ratio, the time per
 batch each takes and the difference (what Ray adds per batch), and the encoded bytes per batch
 that cross the server host (every batch does, once in, once out: NOTE [ Ray data path ]).
@@ -56,7 +60,8 @@ pool = "{pool}"
 ray_num_cpus = {args.ray_num_cpus}
 """
         )
-    text = f'[server]\nray_address = "{ray_address}"\n' + "".join(loaders)
+    direct = "false" if args.through_store else "true"
+    text = f'[server]\nray_address = "{ray_address}"\nray_direct = {direct}\n' + "".join(loaders)
     fd, path = tempfile.mkstemp(suffix=".toml", prefix="ray-bench-")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -125,12 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cpus-per-node", type=float, default=2.0)
     parser.add_argument("--ray-address", help="a running cluster instead of simulated nodes")
+    parser.add_argument(
+        "--through-store",
+        action="store_true",
+        help="ray_direct = false: this host's actors hand batches over through Ray's object "
+        "store, as actors on other hosts do (NOTE [ Ray direct lane ])",
+    )
     args = parser.parse_args(argv)
 
     print(
         f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; workload "
         f"{args.workload}, {args.batches} batches of {args.batch_size}, {args.workers} workers "
-        f"per pool, {args.rounds} rounds"
+        f"per pool, {args.rounds} rounds; same-host actors "
+        f"{'through the object store' if args.through_store else 'on direct lanes'}"
     )
     print(
         f"{'nodes':>5} {'local b/s':>10} {'ray b/s':>9} {'ray/local':>9} "

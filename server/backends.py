@@ -54,6 +54,7 @@ def make_pool(
     max_batch_bytes: int,
     metrics: LoaderMetrics,
     ray_address: str | None = None,
+    ray_direct: bool = True,
 ) -> Pool:
     """A pool of the spec's backend (`pool`; not started)."""
     from remote_loader.server.pool import WorkerPool
@@ -65,7 +66,12 @@ def make_pool(
         from remote_loader.server.pool_ray import RayBackend
 
         backend = RayBackend(
-            spec, batching, ctx, address=ray_address, max_batch_bytes=max_batch_bytes
+            spec,
+            batching,
+            ctx,
+            address=ray_address,
+            max_batch_bytes=max_batch_bytes,
+            direct=ray_direct,
         )
     else:
         from remote_loader.server.pool_local import ProcessBackend

@@ -88,6 +88,7 @@ class LoaderHost:
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         ray_address: str | None = None,
+        ray_direct: bool = True,
         metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
     ) -> None:
         if max_batch_bytes < 1:
@@ -111,6 +112,7 @@ class LoaderHost:
         self._ctx = ctx
         self._cond = threading.Condition()
         self._ray_address = ray_address
+        self._ray_direct = ray_direct
         # The last pool started (for Describe): its backend, nodes and workers.
         self.pool_info: dict[str, int | str] = {}
         self._persistent: Pool | None = None
@@ -202,6 +204,7 @@ class LoaderHost:
             max_batch_bytes=self.max_batch_bytes,
             metrics=self.metrics,
             ray_address=self._ray_address,
+            ray_direct=self._ray_direct,
         )
         pool.start()
         self.pool_info = info = pool.describe()

@@ -8,17 +8,21 @@ calls into the bridge's commands and the bridge's messages into Results, Ready a
 
 NOTE [ Ray data path ]
 
-A batch is encoded by its actor into a numpy array, which Ray puts in the object store of the
-actor's node; the bridge (on the server's host) reads it, over the network when the actor is
-elsewhere, and copies it into a shared-memory slot the server streams from. So every byte of
-every batch crosses the server host's link once inbound and once outbound to the trainers:
-at scale the coordinator's NIC, not the workers, bounds throughput (bytes per batch through the
-coordinator = the encoded batch, `remote_loader_batch_bytes`). The next step is for trainers to
-fetch a batch from the node that made it: the server would send only (node address, object
-id, size) in the Frame, as it sends ring offsets for shared memory today, and a small data
-server beside each Ray worker node (or Ray's own object transfer, with the trainer as a Ray
-client) would serve the bytes; ordering, exactly-once and resume stay the coordinator's, since
-they are decided by positions, never by the bytes.
+An actor on the server's own host hands its batches over as a worker process does: it fills
+shared-memory slots of its own, which the server maps once and streams from (or a same-host
+trainer reads in place), and its tasks and results travel on a direct lane, not through Ray
+(NOTE [ Ray direct lane ] in server/ray_lane.py). That took the Ray pool from 0.17x to
+(figures in benchmarks/RESULTS.md) the local pool on 2.4 MB image batches on one host.
+
+An actor elsewhere encodes each batch into a numpy array, which Ray puts in its node's object
+store; the bridge reads it over the network and copies it into one of its own slots. So every
+byte of such a batch crosses the server host's link once inbound and once outbound to the
+trainers: at scale the coordinator's NIC, not the workers, bounds throughput (bytes per batch
+through the coordinator = the encoded batch, `remote_loader_batch_bytes`). The next step is for
+trainers to fetch a batch from the node that made it: the server would send only (node
+address, slot, size) in the Frame, as it sends slot positions for shared memory today, and a
+small data server beside each Ray worker node would serve the bytes; ordering, exactly-once and
+resume stay the coordinator's, since they are decided by positions, never by the bytes.
 
 NOTE [ Ray pool reuse ]
 
@@ -40,6 +44,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
 from remote_loader.server.engine import WorkerDiedError, WorkerInitError
@@ -58,6 +63,7 @@ from remote_loader.server.ray_bridge import (
     StartFailed,
     bridge_main,
 )
+from remote_loader.server.ray_lane import Lanes, SlotRef, open_slot
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -74,16 +80,26 @@ BRIDGE_JOIN_TIMEOUT = 10.0
 @dataclasses.dataclass
 class _Actor:
     """What the server knows of one worker's actor: its incarnation, whether it has started
-    (Placed) and, once the bridge reported it Lost, why it died and what it was making."""
+    (Placed) and, once it died, why and what it was making. An actor on this host may have a
+    lane (NOTE [ Ray direct lane ] in server/ray_lane.py): its tasks sent down it and not yet
+    answered, in the order sent, and, until it has started, the messages for it (whether
+    they go down a lane or to the bridge is known only then)."""
 
     incarnation: int
     ready: bool
     alive: bool = True
     making: int = -1
     death: str = ""
+    lane: Connection | None = None
+    unanswered: dict[int, None] = dataclasses.field(default_factory=dict)
+    pending: list[EpochStart | Task] = dataclasses.field(default_factory=list)
 
     def died(self, reason: str, making: int) -> None:
         self.alive, self.death, self.making = False, reason, making
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
+        self.pending.clear()
 
 
 class RayBackend:
@@ -98,6 +114,7 @@ class RayBackend:
         *,
         address: str | None,
         max_batch_bytes: int,
+        direct: bool = True,
     ) -> None:
         self.spec = spec
         self.batching = batching
@@ -110,6 +127,10 @@ class RayBackend:
         self._results: multiprocessing.connection.Connection | None = None
         self._next_incarnation = itertools.count()
         self._placed = 0  # actors the bridge placed at start: incarnations 0..placed-1
+        # Lanes of this host's actors (`direct`, the server's ray_direct setting).
+        self._direct = direct
+        self._lanes: Lanes | None = None
+        self._attached: tuple[bool, ...] = ()  # of the actors placed at start
         # Per worker id: what this side knows of its actor.
         self._actors: list[_Actor] = []
 
@@ -127,7 +148,13 @@ class RayBackend:
         return [] if self._bridge is None or self._bridge.pid is None else [self._bridge.pid]
 
     def describe(self) -> dict[str, int | str]:
-        return {"backend": "ray", "nodes": self.nodes}
+        # `direct`: the actors whose batches come on a lane (NOTE [ Ray direct lane ]).
+        return {"backend": "ray", "nodes": self.nodes, "direct": self.direct}
+
+    @property
+    def direct(self) -> int:
+        """Actors whose batches come on a direct lane (NOTE [ Ray direct lane ])."""
+        return sum(a.lane is not None for a in self._actors)
 
     def start(self) -> None:
         """Starts the bridge, which connects and places actors 0..num_workers-1;
@@ -135,11 +162,14 @@ class RayBackend:
         START_TIMEOUT."""
         commands_reader, self._commands = self._ctx.Pipe(duplex=False)
         self._results, results_writer = self._ctx.Pipe(duplex=False)
+        if self._direct:
+            self._lanes = Lanes()
         cfg = BridgeConfig(
             self.spec,
             self.batching,
             self.max_batch_bytes,
             self.address,
+            None if self._lanes is None else self._lanes.address,
             commands_reader,
             results_writer,
         )
@@ -157,13 +187,15 @@ class RayBackend:
             except (EOFError, OSError):
                 message = StartFailed("its Ray driver process exited while connecting")
             if isinstance(message, Started):
-                self.nodes, self._placed = message.nodes, message.actors
+                self.nodes, self._attached = message.nodes, message.attached
+                self._placed = len(message.attached)
                 log.info(
-                    "loader %r: %d Ray actor(s) on %d node(s) of %s",
+                    "loader %r: %d Ray actor(s) on %d node(s) of %s, %d attached on this host",
                     self.spec.name,
-                    message.actors,
+                    self._placed,
                     message.nodes,
                     self.where,
+                    sum(message.attached),
                 )
                 return
             problem = message.message if isinstance(message, StartFailed) else repr(message)
@@ -191,24 +223,48 @@ class RayBackend:
         if not placed:
             self._command(Spawn(worker_id, num_workers, incarnation))
         actor = _Actor(incarnation, ready=placed)
+        if placed and self._attached[incarnation]:
+            actor.lane = self._take_lane(incarnation)
         if worker_id == self.workers:
             self._actors.append(actor)
         else:
             self._actors[worker_id] = actor
         return incarnation
 
+    def _take_lane(self, incarnation: int) -> Connection | None:
+        return None if self._lanes is None else self._lanes.take(incarnation)
+
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
-        self._command(Send(worker_id, message))
+        actor = self._actors[worker_id]
+        if not actor.alive:
+            return  # its replacement is sent its tasks again
+        if not actor.ready and self._lanes is not None:
+            actor.pending.append(message)  # lane or bridge: known once it has started
+            return
+        if actor.lane is None:
+            self._command(Send(worker_id, message))
+            return
+        if isinstance(message, Task):
+            actor.unanswered[message.task_id] = None
+        try:
+            actor.lane.send(message)
+        except OSError:
+            self._lane_closed(worker_id)
 
     def set_epoch(self, key: int) -> None:
         """Nothing: an actor makes what it was sent, and the core drops a stale epoch's."""
 
     def receive(self, timeout: float) -> Iterator[Event]:
         assert self._bridge is not None and self._results is not None
-        ready = multiprocessing.connection.wait([self._results, self._bridge.sentinel], timeout)
+        lanes = {a.lane: w for w, a in enumerate(self._actors) if a.lane is not None}
+        waited: list[Any] = [self._results, self._bridge.sentinel, *lanes]
+        ready = multiprocessing.connection.wait(waited, timeout)
+        if self._bridge.sentinel in ready:
+            raise self._gone()
+        for lane, worker_id in lanes.items():
+            if lane in ready:
+                yield from self._from_lane(worker_id, lane)
         if self._results not in ready:
-            if ready:  # the sentinel: the bridge is gone
-                raise self._gone()
             return
         # One message at a time: one the core does not take (it returned an outcome) stays in
         # the pipe for its next poll.
@@ -221,6 +277,32 @@ class RayBackend:
             if event is not None:
                 yield event
 
+    def _from_lane(self, worker_id: int, lane: Connection) -> Iterator[Event]:
+        """The Results waiting on an actor's lane; its death when the lane has closed."""
+        actor = self._actors[worker_id]
+        while actor.lane is lane and lane.poll():
+            try:
+                result = lane.recv()
+                ref = result.new_buffer
+                if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
+                    result = dataclasses.replace(result, new_buffer=open_slot(ref))
+            except (EOFError, OSError):
+                self._lane_closed(worker_id)
+                return
+            actor.unanswered.pop(result.task_id, None)
+            yield result
+
+    def _lane_closed(self, worker_id: int) -> None:
+        """An actor's lane closed: it died (a process of this host), making the first task
+        sent to it and not answered."""
+        actor = self._actors[worker_id]
+        making = next(iter(actor.unanswered), -1)
+        actor.died(
+            f"DataLoader worker {worker_id} (a Ray actor on this host) died: its lane to the "
+            "server closed (its process ended: killed, out of memory, or exited in the dataset)",
+            making,
+        )
+
     def _event(self, message: object) -> Event | None:
         if isinstance(message, Result):
             current = self._current(message.worker_id, message.incarnation)
@@ -232,7 +314,13 @@ class RayBackend:
         if isinstance(message, Placed):
             if not self._current(message.worker_id, message.incarnation):
                 return None
-            self._actors[message.worker_id].ready = True
+            actor = self._actors[message.worker_id]
+            actor.ready = True
+            if message.attached:
+                actor.lane = self._take_lane(message.incarnation)
+            pending, actor.pending = actor.pending, []
+            for held in pending:
+                self.send(message.worker_id, held)
             return Ready(message.worker_id)
         if isinstance(message, Shortfall):
             if not self._current(message.worker_id, message.incarnation):
@@ -259,7 +347,7 @@ class RayBackend:
         return self._actors[worker_id].death
 
     def kill(self, worker_id: int) -> None:
-        self._command(Kill(worker_id))
+        self._command(Kill(worker_id))  # Ray kills it: a lane closes then
         # The task it was stuck on was given up: it dies making nothing of the ledger's.
         self._actors[worker_id].died(f"Ray worker {worker_id} was stopped", making=-1)
 
@@ -268,7 +356,9 @@ class RayBackend:
 
     def retire_last(self) -> None:
         self._command(Retire())
-        self._actors.pop()
+        actor = self._actors.pop()
+        if actor.lane is not None:
+            actor.lane.close()
 
     def _command(self, message: object) -> None:
         try:
@@ -298,3 +388,10 @@ class RayBackend:
             if end is not None:
                 end.close()
         self._commands = self._results = None
+        for actor in self._actors:
+            if actor.lane is not None:
+                actor.lane.close()
+                actor.lane = None
+        if self._lanes is not None:
+            self._lanes.close()
+            self._lanes = None

@@ -7,32 +7,38 @@ IterableDataset shards itself as under a local DataLoader. Ray runs an actor's c
 time in the order one caller made them (the pool's bridge is the only caller), so a worker's
 tasks are made in the order they were sent, as from a worker's index queue.
 
-Batches leave as numpy arrays: Ray stores them in its object store without pickling their data
-(zero-copy for a reader on the same node), not as Python objects.
+How a batch leaves (NOTE [ Ray data path ] in server/pool_ray.py): an actor on the server's
+own host attaches a direct lane (NOTE [ Ray direct lane ] in server/ray_lane.py) and serves
+its tasks there, from a thread of its own, into shared-memory slots the server maps; any other
+actor answers the bridge's calls with the encoded batch as a numpy array, which Ray moves
+without pickling its data.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import torch
 
 from remote_loader.server.allocator import settle_allocator
-from remote_loader.server.collating import use_collate_buffers
+from remote_loader.server.collating import WorkerSlots, use_collate_buffers
+from remote_loader.server.ray_lane import LaneAddress, Probe, attach, share
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import WorkerState, make_batch
-
-# What `make` returns (a tuple, so Ray serialises the array out of band):
-#   ("batch", header_nbytes, blob, started_at, finished_at)
-#   ("error", RemoteError, started_at, finished_at)
-#   ("exhausted",)              the worker's IterableDataset ran dry
-#   ("fatal", RemoteError)      the dataset factory or worker_init_fn raised: nothing can load
-BATCH, ERROR, EXHAUSTED, FATAL = "batch", "error", "exhausted", "fatal"
+from remote_loader.server.worker import (
+    EpochStart,
+    RemoteError,
+    Result,
+    WorkerState,
+    fill_slot,
+    make_batch,
+)
 
 
 class RayWorker:
@@ -45,12 +51,18 @@ class RayWorker:
         worker_id: int,
         num_workers: int,
         max_batch_bytes: int,
+        incarnation: int = 0,
+        lane: LaneAddress | None = None,
     ) -> None:
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
         settle_allocator()  # NOTE [ Worker allocator ] in server/allocator.py
         # NOTE [ Collating in process memory ] in server/collating.py: a batch leaves as a blob.
         use_collate_buffers()
+        self.worker_id = worker_id
+        self.incarnation = incarnation
         self.max_batch_bytes = max_batch_bytes
+        # `fresh`: torch's new worker processes of an epoch without persistent_workers.
+        self.fresh = not spec.parts.pool.persistent_workers
         self.epoch_key = -1
         where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()})"
         # The same dataset, seeding and worker_init_fn as a worker process (server/worker.py).
@@ -59,12 +71,22 @@ class RayWorker:
         )
         self.state = self._new_state()
         self.epochs = 0  # begun by this actor
+        self.attached = False
+        if lane is not None:
+            self._probe = Probe()  # kept for the actor's life
+            conn = attach(lane, incarnation, self._probe)
+            if conn is not None:
+                self.attached = True
+                threading.Thread(
+                    target=self._serve_lane, args=(conn,), name="rl-lane", daemon=True
+                ).start()
 
-    def node(self) -> str:
-        """The id of the node this actor runs on (for Describe and the metrics)."""
+    def node(self) -> tuple[str, bool]:
+        """The id of the node this actor runs on (for Describe and the metrics), and whether
+        it attached a lane (the server may still refuse it: its batches then come by call)."""
         import ray
 
-        return str(ray.get_runtime_context().get_node_id())
+        return str(ray.get_runtime_context().get_node_id()), self.attached
 
     def begin_epoch(
         self, epoch_key: int, base_seed: int, compression: str = "", fresh: bool = False
@@ -79,22 +101,71 @@ class RayWorker:
         self.state.begin_epoch(base_seed, compression)
 
     def make(self, epoch_key: int, indices: Any, seed: int | None) -> tuple[Any, ...]:
-        """One task (see the return values above)."""
-        state = self.state
-        if state.init_error is not None:
-            return (FATAL, state.init_error)
+        """One task by call: the Result's fields (the batch as a numpy array, `blob`), and
+        when the actor began and ended it."""
         if epoch_key != self.epoch_key:
             raise RuntimeError(f"task of epoch {epoch_key} sent to a worker in {self.epoch_key}")
-        assert state.fetcher is not None
         started = time.monotonic()
-        made = make_batch(
-            state.fetcher, indices, seed, self.max_batch_bytes, state.where, state.compressor
-        )
-        if made.error is not None:
-            return (ERROR, made.error, started, time.monotonic())
-        if made.encoded is None:
-            return (EXHAUSTED,)
-        encoded = made.encoded
-        blob = np.empty(encoded.total_nbytes, dtype=np.uint8)
-        encoded.write_blob(torch.from_numpy(blob))
-        return (BATCH, len(encoded.header), blob, started, time.monotonic())
+        state = self.state
+        fields: dict[str, Any]
+        if state.init_error is not None:
+            fields = {"error": state.init_error, "fatal": True}
+        else:
+            assert state.fetcher is not None
+            made = make_batch(
+                state.fetcher, indices, seed, self.max_batch_bytes, state.where, state.compressor
+            )
+            if made.error is not None:
+                fields = {"error": made.error}
+            elif made.encoded is None:
+                fields = {"exhausted": True}
+            else:
+                encoded = made.encoded
+                # Returned as an array (out of band: Ray stores it without pickling its data).
+                blob = np.empty(encoded.total_nbytes, dtype=np.uint8)
+                encoded.write_blob(torch.from_numpy(blob))
+                fields = {"blob": blob, "header_nbytes": len(encoded.header)}
+        return fields, started, time.monotonic()
+
+    def _serve_lane(self, conn: Connection) -> None:
+        """The lane's thread: EpochStart and Task in, a Result per Task out, as a worker
+        process's loop (server/worker.py), with slots of the actor's own; ends when the server
+        closes the lane or refused it."""
+        slots = WorkerSlots()
+        with conn:
+            while True:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    return
+                if message is None:
+                    return
+                if isinstance(message, EpochStart):
+                    self.begin_epoch(
+                        message.epoch_key, message.base_seed, message.compression, self.fresh
+                    )
+                    continue
+                slots.release(message.released)
+                started = time.monotonic()
+                try:
+                    fields = fill_slot(
+                        self.state, slots, message.indices, message.seed, self.max_batch_bytes
+                    )
+                except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
+                    fields = {"error": RemoteError.capture(self.state.where, exc)}
+                if fields.get("new_buffer") is not None:
+                    fields["new_buffer"] = share(fields["new_buffer"])  # the server maps it
+                result = Result(
+                    self.worker_id,
+                    message.epoch_key,
+                    message.task_id,
+                    incarnation=self.incarnation,
+                    started_at=started,
+                    finished_at=time.monotonic(),
+                    **fields,
+                )
+                try:
+                    conn.send(result)
+                except OSError:
+                    return
+                del result, fields

@@ -15,19 +15,29 @@ Protocol (one Pipe each way; RayBackend in server/pool_ray.py is the other end, 
 pool core of server/pool.py, which decides everything a worker's life involves):
   server -> bridge  Send(worker_id, EpochStart | Task) | Spawn(worker_id, num_workers,
                     incarnation) | Kill(worker_id) | Retire() | None (stop)
-  bridge -> server  Started(nodes, actors) once connected and actors 0..n-1 are placed
+  bridge -> server  Started(nodes, attached) once connected and actors 0..n-1 are placed
                     (incarnations 0..n-1), or StartFailed(message) and exit; then a Result
                     (server/worker.py) per task, Lost(worker_id, incarnation, reason, making)
                     when an actor died (the core replaces it with a Spawn and re-issues its
                     tasks), Shortfall(worker_id, incarnation, message) when a spawned actor has
                     not started within REPLACE_PATIENCE for want of CPUs, or within
                     SLOW_START_PATIENCE at all (NOTE [ Capacity lost ] in
-                    server/pool_supervision.py), and Placed(worker_id, incarnation) once it has.
+                    server/pool_supervision.py), and Placed(worker_id, incarnation, attached)
+                    once it has. `attached`: the actor attached a direct lane to the server
+                    (NOTE [ Ray direct lane ] in server/ray_lane.py); the server sends the
+                    tasks of an actor whose lane it took down the lane, never here.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
 A result of an actor already replaced (an older incarnation) is dropped here: the server
 re-issued the task. Each incarnation has slots of its own (as a worker process does), so the
 server forgets a dead actor's slots with it, and a Result's times are re-stamped on this host's
-clock (the actor's node has its own; only the time the batch took carries over).
+clock (the actor's node has its own; only the time the batch took carries over). Where a
+batch's bytes go: NOTE [ Ray data path ] in server/pool_ray.py.
+
+Which task a death costs: Ray runs an actor's calls in the order they were sent, so the one it
+was making is the first of its unanswered calls. But the answers come back through Ray's
+callback threads in no set order: a batch the actor finished just before it died may be
+answered after the failures of the calls queued behind it. So Lost is said once every call of
+the dead incarnation has come back, naming the first that failed in the order sent.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
 lost node costs as few workers as it can, and each asks `ray_num_cpus` CPUs.
@@ -37,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import queue
 import signal
@@ -47,7 +56,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from remote_loader.server.collating import WorkerSlots
-from remote_loader.server.ray_actor import BATCH, ERROR, EXHAUSTED, FATAL, RayWorker
+from remote_loader.server.ray_actor import RayWorker
 from remote_loader.server.ray_connect import (
     capacity,
     connect,
@@ -55,6 +64,7 @@ from remote_loader.server.ray_connect import (
     wait_for_capacity,
     watch_server,
 )
+from remote_loader.server.ray_lane import LaneAddress
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -77,6 +87,7 @@ class BridgeConfig:
     batching: Batching
     max_batch_bytes: int
     address: str | None  # None: start a local Ray instance
+    lane: LaneAddress | None  # where this host's actors attach (NOTE [ Ray direct lane ])
     commands: Any  # reading end of the server's pipe
     results: Any  # writing end of the bridge's pipe
 
@@ -111,7 +122,7 @@ class Retire:
 @dataclasses.dataclass(frozen=True)
 class Started:
     nodes: int
-    actors: int
+    attached: tuple[bool, ...]  # per actor (incarnations 0..n-1): it attached a lane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +144,7 @@ class Placed:
 
     worker_id: int
     incarnation: int
+    attached: bool  # it attached a lane (NOTE [ Ray direct lane ] in server/ray_lane.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +185,11 @@ class _Bridge:
         self.starting: dict[tuple[int, int], float] = {}
         # Per incarnation: its slots (server/collating.py), as a worker process has its own.
         self.slots: dict[int, WorkerSlots] = {}
-        # Per incarnation: the tasks sent to it and not answered, in the order sent (a dict as
-        # an ordered set). Ray runs an actor's calls in that order, so when the actor dies the
-        # first is the one it was making; every pending call fails then, in no set order.
-        self.calls: dict[int, dict[int, None]] = {}
-        # Incarnations whose death has been reported: one Lost each.
-        self.lost: set[int] = set()
+        # Per incarnation: the tasks sent to it and not answered, in the order sent, each
+        # False until its call failed with the actor's death (NOTE on which task a death costs).
+        self.calls: dict[int, dict[int, bool]] = {}
+        # Incarnations that died (a call failed so): one Lost each, once all calls came back.
+        self.dead: dict[int, str] = {}
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
         # one start-up (and its patience timer) per actor spawned.
@@ -188,24 +199,33 @@ class _Bridge:
         # Guards the slots: released by the command thread, taken by the main loop.
         self.lock = threading.Lock()
 
-    def new_actor(self, worker_id: int, num_workers: int) -> Any:
-        spec = self.cfg.spec
+    def new_actor(self, worker_id: int, num_workers: int, incarnation: int) -> Any:
+        cfg = self.cfg
         return self.actor_class.remote(
-            spec, self.cfg.batching, worker_id, num_workers, self.cfg.max_batch_bytes
+            cfg.spec,
+            cfg.batching,
+            worker_id,
+            num_workers,
+            cfg.max_batch_bytes,
+            incarnation,
+            cfg.lane,
         )
 
     def start(self) -> Started:
         n = self.cfg.spec.parts.pool.num_workers
-        self.actors = [self.new_actor(w, n) for w in range(n)]
+        self.actors = [self.new_actor(w, n, w) for w in range(n)]
         self.incarnations = list(range(n))
         self.slots = {w: WorkerSlots() for w in range(n)}
         self.calls = {w: {} for w in range(n)}
-        nodes = self.ray.get([a.node.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT)
-        return Started(nodes=len(set(nodes)), actors=n)
+        placed = self.ray.get([a.node.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT)
+        return Started(
+            nodes=len({node for node, _ in placed}),
+            attached=tuple(attached for _, attached in placed),
+        )
 
     def spawn(self, command: Spawn) -> None:
         w, incarnation = command.worker_id, command.incarnation
-        actor = self.new_actor(w, command.num_workers)
+        actor = self.new_actor(w, command.num_workers, incarnation)
         with self.lock:
             if w < len(self.actors):
                 self.forget(self.incarnations[w])  # the server forgot its slots too
@@ -255,7 +275,7 @@ class _Bridge:
         """An actor replaced or retired: nothing of it is read again (under the lock)."""
         self.slots.pop(incarnation, None)
         self.calls.pop(incarnation, None)
-        self.lost.discard(incarnation)
+        self.dead.pop(incarnation, None)
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
         actor, incarnation = self.actors[worker_id], self.incarnations[worker_id]
@@ -269,7 +289,7 @@ class _Bridge:
         task = message
         with self.lock:
             self.slots[incarnation].release(task.released)
-            self.calls[incarnation][task.task_id] = None
+            self.calls[incarnation][task.task_id] = False
         future = actor.make.remote(task.epoch_key, task.indices, task.seed).future()
         future.add_done_callback(lambda f: self.done.put((worker_id, incarnation, task, f)))
 
@@ -288,60 +308,87 @@ class _Bridge:
         """The message for one finished call; None when there is nothing to say."""
         if not self.current(worker_id, incarnation):
             return None  # an actor already replaced: its tasks were re-issued
-        base = functools.partial(
-            Result, worker_id, task.epoch_key, task.task_id, incarnation=incarnation
-        )
-        error: Exception | None = None
         try:
-            value = future.result()
-        except Exception as exc:
-            error = exc
+            fields, started, finished = future.result()
+        except self.ray.exceptions.RayActorError as exc:
+            return self.died(worker_id, incarnation, task, exc)
+        except Exception as exc:  # the call itself failed: an error at this task's position
+            fields = {"error": RemoteError.capture(f"in DataLoader worker {worker_id} (Ray)", exc)}
+            started = finished = 0.0
         with self.lock:
-            calls = self.calls.get(incarnation, {})
-            oldest = next(iter(calls), -1)
+            calls = self.calls.get(incarnation)
+            if calls is None:
+                return None  # replaced meanwhile
             calls.pop(task.task_id, None)
-            if isinstance(error, self.ray.exceptions.RayActorError):
-                if incarnation in self.lost:
-                    return None  # another of its calls said so
-                self.lost.add(incarnation)
-        if isinstance(error, self.ray.exceptions.RayActorError):
-            why = f"DataLoader worker {worker_id} (a Ray actor) died: {error}"
-            return Lost(worker_id, incarnation, why, making=oldest)
-        if error is not None:  # the call itself failed: an error at this task's position
-            where = f"in DataLoader worker {worker_id} (Ray)"
-            return base(error=RemoteError.capture(where, error))
-        kind = value[0]
-        if kind == FATAL:
-            return base(error=value[1], fatal=True)
-        if kind == EXHAUSTED:
-            return base(exhausted=True)
+            dead = self.dead.get(incarnation)
+        fields = self.in_slot(incarnation, fields)
+        if fields is None:
+            return None  # replaced meanwhile
         now = time.monotonic()
-        if kind == ERROR:
-            _, remote, started, finished = value
-            return base(error=remote, started_at=now - (finished - started), finished_at=now)
-        assert kind == BATCH
-        _, header_nbytes, blob, started, finished = value
+        result = Result(
+            worker_id,
+            task.epoch_key,
+            task.task_id,
+            incarnation=incarnation,
+            started_at=now - (finished - started),
+            finished_at=now,
+            **fields,
+        )
+        if dead is None:
+            return result
+        # The actor is dead, and this was the answer its death was waiting for.
+        self.cfg.results.send(result)
+        return self.lost(worker_id, incarnation)
+
+    def died(self, worker_id: int, incarnation: int, task: Task, error: Exception) -> Any:
+        """A call failed with its actor's death: Lost, once every call has come back."""
+        with self.lock:
+            calls = self.calls.get(incarnation)
+            if calls is None:
+                return None
+            calls[task.task_id] = True  # failed (it may have been answered: see `reply`)
+            self.dead.setdefault(
+                incarnation, f"DataLoader worker {worker_id} (a Ray actor) died: {error}"
+            )
+        return self.lost(worker_id, incarnation)
+
+    def lost(self, worker_id: int, incarnation: int) -> Lost | None:
+        """Lost for a dead incarnation whose calls have all come back, once; else None."""
+        with self.lock:
+            calls = self.calls.get(incarnation)
+            if calls is None or not all(calls.values()):
+                return None
+            making = next(iter(calls), -1)  # the first that failed, in the order sent
+            calls.clear()
+            why = self.dead.pop(incarnation)
+        return Lost(worker_id, incarnation, why, making=making)
+
+    def in_slot(self, incarnation: int, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """A batch's fields as the server reads them: the encoded batch (`blob`, out of Ray's
+        object store) copied into one of this process's slots. None: the incarnation was
+        replaced meanwhile."""
+        blob = fields.pop("blob", None)
+        if blob is None:
+            return fields
         with self.lock:
             slots = self.slots.get(incarnation)
             if slots is None:
-                return None  # replaced meanwhile
+                return None
             taken = slots.take(len(blob))
-        # The one copy the bridge makes: out of Ray's object store into the slot the server
-        # reads (the object goes back to Ray when `value` is dropped).
+        # Out of Ray's object store into the slot the server reads (the object goes back to
+        # Ray when `blob` is dropped).
         taken.blob(len(blob)).numpy()[:] = blob
         with self.lock:
             slots.written(taken)
             new_buffer, dropped = slots.announce(taken.slot)
-        return base(
-            slot=taken.slot,
-            header_nbytes=header_nbytes,
-            total_nbytes=len(blob),
-            new_buffer=new_buffer,
-            dropped=dropped,
-            generation=taken.generation,
-            started_at=now - (finished - started),
-            finished_at=now,
-        )
+        return {
+            **fields,
+            "slot": taken.slot,
+            "total_nbytes": len(blob),
+            "new_buffer": new_buffer,
+            "dropped": dropped,
+            "generation": taken.generation,
+        }
 
     def read_commands(self) -> None:
         """The command thread: carries out the server's commands in order; ends on None."""
@@ -373,7 +420,8 @@ class _Bridge:
             if isinstance(task, str):  # _STARTED
                 self.starting.pop((worker_id, incarnation), None)
                 if self.current(worker_id, incarnation) and future.exception() is None:
-                    self.cfg.results.send(Placed(worker_id, incarnation))
+                    _, attached = future.result()
+                    self.cfg.results.send(Placed(worker_id, incarnation, attached))
                 continue  # an actor that failed to start shows in its first task
             message = self.reply(worker_id, incarnation, task, future)
             if message is not None:

@@ -77,6 +77,7 @@ class Server:
             specs,
             max_batch_bytes=self.settings.max_batch_bytes,
             ray_address=self.settings.ray_address,
+            ray_direct=self.settings.ray_direct,
             metrics_max_consumers=self.settings.metrics_max_consumers,
         )
         try:
@@ -270,6 +271,7 @@ def build_hosts(
     *,
     max_batch_bytes: int = ServerSettings.max_batch_bytes,
     ray_address: str | None = None,
+    ray_direct: bool = ServerSettings.ray_direct,
     metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
@@ -282,6 +284,7 @@ def build_hosts(
                 ctx,
                 max_batch_bytes=max_batch_bytes,
                 ray_address=ray_address,
+                ray_direct=ray_direct,
                 metrics_max_consumers=metrics_max_consumers,
             )
             hosts[name].start()

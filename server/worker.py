@@ -379,52 +379,52 @@ def make_batch(
     return Made(encoded=encoded)
 
 
-def _run_task(cfg: WorkerConfig, task: Task, state: WorkerState, slots: WorkerSlots) -> Result:
-    started = time.monotonic()
-
-    def base(**fields: Any) -> Result:
-        return Result(
-            cfg.worker_id,
-            task.epoch_key,
-            task.task_id,
-            incarnation=cfg.incarnation,
-            started_at=started,
-            finished_at=time.monotonic(),
-            **fields,
-        )
-
+def fill_slot(
+    state: WorkerState, slots: WorkerSlots, indices: Any, seed: int | None, max_batch_bytes: int
+) -> dict[str, Any]:
+    """One task made into one of `slots`, a worker process's or a same-host Ray actor's
+    (NOTE [ Ray data path ] in server/pool_ray.py): the Result's fields saying where the batch
+    lies, or its error, or that the worker's data ran dry (the caller adds who and when)."""
     if state.init_error is not None:
-        return base(error=state.init_error, fatal=True)
+        return {"error": state.init_error, "fatal": True}
     assert state.fetcher is not None
     # Compressed leaves are made apart from the slot: nothing to stack in place.
     arena = slots.arena() if state.compressor is None else None
     made = make_batch(
-        state.fetcher,
-        task.indices,
-        task.seed,
-        cfg.max_batch_bytes,
-        state.where,
-        state.compressor,
-        arena,
+        state.fetcher, indices, seed, max_batch_bytes, state.where, state.compressor, arena
     )
     if made.encoded is None:
         if arena is not None:
             slots.give_back(arena.taken)
         if made.error is not None:
-            return base(error=made.error)
-        return base(exhausted=True)
+            return {"error": made.error}
+        return {"exhausted": True}
     encoded = made.encoded
     taken, offset = slots.place(encoded, arena)
     header_nbytes, total_nbytes = len(encoded.header), encoded.total_nbytes
     # The batch's tensors view the slot: none may outlive the task (WorkerSlots.take).
     del made, encoded, arena
     new_buffer, dropped = slots.announce(taken.slot)
-    return base(
-        slot=taken.slot,
-        offset=offset,
-        header_nbytes=header_nbytes,
-        total_nbytes=total_nbytes,
-        new_buffer=new_buffer,
-        dropped=dropped,
-        generation=taken.generation,
+    return {
+        "slot": taken.slot,
+        "offset": offset,
+        "header_nbytes": header_nbytes,
+        "total_nbytes": total_nbytes,
+        "new_buffer": new_buffer,
+        "dropped": dropped,
+        "generation": taken.generation,
+    }
+
+
+def _run_task(cfg: WorkerConfig, task: Task, state: WorkerState, slots: WorkerSlots) -> Result:
+    started = time.monotonic()
+    fields = fill_slot(state, slots, task.indices, task.seed, cfg.max_batch_bytes)
+    return Result(
+        cfg.worker_id,
+        task.epoch_key,
+        task.task_id,
+        incarnation=cfg.incarnation,
+        started_at=started,
+        finished_at=time.monotonic(),
+        **fields,
     )

@@ -4,8 +4,10 @@ costing nothing.
 
 Both backends run on one pool core (server/pool.py): these tests hold every backend to what
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
-two nodes on 127.0.0.1). What only one backend has (the fork server, a removed Ray node, Ray's
-start-up errors) is tested beside it, in test_supervision.py and test_ray.py / test_ray_life.py.
+two nodes on 127.0.0.1, their batches on direct lanes, "ray", or through Ray's object store as
+from another host, "ray-store"). What only one backend has (the fork server, a removed Ray
+node, Ray's start-up errors) is tested beside it, in test_supervision.py and test_ray.py /
+test_ray_life.py; the lanes' handshake in test_ray_lane.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     # Ray: 0.1 CPU an actor, so the loaders' actors and their replacements fit on the two
     # one-CPU nodes together (and the timeouts count from the cluster's start-up, on a
     # loaded machine).
-    ray: dict[str, Any] = {"pool": "ray", "ray_num_cpus": 0.1} if pool == "ray" else {}
+    ray: dict[str, Any] = {"pool": "ray", "ray_num_cpus": 0.1} if pool != "local" else {}
     return [
         LoaderSpec(name="aug", num_workers=2, **CASES["random-aug"], **ray),
         LoaderSpec(name="iterable", num_workers=2, **CASES["iterable"], **ray),
@@ -81,19 +83,27 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     ]
 
 
-@pytest.fixture(scope="module", params=["local", "ray"])
+@pytest.fixture(scope="module", params=["local", "ray", "ray-store"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     ray_address = None
     cluster = None
-    if request.param == "ray":
+    if request.param != "local":
         cluster = start_cluster(2)
         ray_address = cluster.address
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
+    settings = ServerSettings(
+        address=f"{LOOPBACK}:0",
+        ray_address=ray_address,
+        ray_direct=request.param != "ray-store",
+    )
     try:
         log = str(tmp_path_factory.mktemp(request.param) / "slow-readers")
         with Server(settings, contract_specs(request.param, log)) as server:
+            # Each Ray actor's batches came the way the parameter says.
+            direct = [server.hosts[n].pool_info.get("direct") for n in ("crash", "slow")]
+            if request.param != "local":
+                assert direct == ([2, 2] if request.param == "ray" else [0, 0]), direct
             yield server
             server.stop(0)
     finally:
@@ -138,13 +148,15 @@ def test_a_sample_that_kills_its_worker_is_given_up_and_the_epoch_goes_on(served
         assert info.value.position == 3 and info.value.remote_type == "WorkerDiedError"
         assert f"{MAX_TASK_ATTEMPTS} times: it is given up" in str(info.value)
         assert [int(b) for b in it] == [4, 5, 6, 7]
-    # A replacement per death; on Ray a death may be charged to a batch the actor had just
-    # finished (its answer reached the bridge after the failures of its queued calls), which
-    # costs one death more before the poison sample's three are counted.
+    # A replacement per death, each charged to the poison sample (not to a batch the actor had
+    # just finished whose answer came back after its queued calls' failures). Through Ray's
+    # object store a death may still cost one more: an actor's reply is sent by Ray's threads
+    # after the call returns, and dies unsent when the next call ends the process at once; the
+    # bridge can only charge that batch (seen once in five runs). A lane's result is in the
+    # kernel's socket buffer before the next task starts.
     restarts = persistent_pool(served, "crash").restarts - restarts_before
     assert restarts == MAX_TASK_ATTEMPTS or (
-        served.hosts["crash"].pool_info["backend"] == "ray"
-        and MAX_TASK_ATTEMPTS <= restarts <= MAX_TASK_ATTEMPTS + 1
+        served.hosts["crash"].pool_info.get("direct") == 0 and restarts == MAX_TASK_ATTEMPTS + 1
     ), restarts
 
 
