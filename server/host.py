@@ -26,6 +26,7 @@ from remote_loader.server.elastic import (
 from remote_loader.server.engine import POLL_INTERVAL, Engine
 from remote_loader.server.errors import ClosingError
 from remote_loader.server.inline import InlineEngine
+from remote_loader.server.kept import KeptPools
 from remote_loader.server.membership import Membership
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.policies import admit, policy_for
@@ -90,6 +91,7 @@ class LoaderHost:
         ray_address: str | None = None,
         ray_direct: bool = True,
         metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
+        kept: KeptPools | None = None,
     ) -> None:
         if max_batch_bytes < 1:
             raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
@@ -117,6 +119,9 @@ class LoaderHost:
         self.pool_info: dict[str, int | str] = {}
         self._persistent: Pool | None = None
         self._persistent_job: str | None = None  # the job whose Run holds it, None when free
+        # Pools without persistent_workers kept for a next Run (server/kept.py): the server's,
+        # shared by its loaders.
+        self._kept = kept if kept is not None else KeptPools()
         self._closed = False
         self.runs = Runs(
             spec,
@@ -206,6 +211,8 @@ class LoaderHost:
             ray_address=self._ray_address,
             ray_direct=self._ray_direct,
         )
+        if pool.kept_between_epochs:
+            self._kept.make_room(self.spec.name)  # others' idle pools hold cluster CPUs
         pool.start()
         self.pool_info = info = pool.describe()
         self.metrics.pool_started(str(info["backend"]), int(info["nodes"]), int(info["workers"]))
@@ -231,11 +238,16 @@ class LoaderHost:
             return
         pool = self._take_persistent(job, give_up)
         if pool is None:
-            pool = self._new_pool()
+            pool = self._kept.take(self.spec.name) or self._new_pool()
             try:
                 yield pool
             finally:
-                pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
+                # Kept for the next Run (NOTE [ Ray pool reuse ] in server/pool_ray.py), or
+                # shut down (NOTE [ Pool Shutdown ] in server/pool.py).
+                if pool.kept_between_epochs and not self._closed:
+                    self._kept.keep(self.spec.name, pool)
+                else:
+                    pool.shutdown()
             return
         try:
             yield pool
@@ -291,3 +303,4 @@ class LoaderHost:
             pool, self._persistent = self._persistent, None
         if pool is not None:
             pool.shutdown()  # See NOTE [ Pool Shutdown ] in server/pool.py
+        self._kept.close(self.spec.name)

@@ -172,6 +172,11 @@ class WorkerPool:
         return self._backend.pids
 
     @property
+    def kept_between_epochs(self) -> bool:
+        """The backend keeps pools between epochs, and this one is whole."""
+        return self._backend.kept_between_epochs and not self.broken and not self._closed
+
+    @property
     def working(self) -> int:
         """Workers that take tasks: all but those whose replacement cannot start (NOTE
         [ Capacity lost ] in server/pool_supervision.py), and at least one."""

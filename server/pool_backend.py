@@ -54,6 +54,14 @@ class WorkerBackend(Protocol):
         """The processes running the workers (for tests and logs)."""
         ...
 
+    @property
+    def kept_between_epochs(self) -> bool:
+        """Whether a pool without persistent_workers is kept for the next epoch rather than
+        started anew, its workers beginning each epoch as new ones would (a dataset built
+        again, worker_init_fn run again): where a new pool costs seconds (NOTE [ Ray pool
+        reuse ] in server/pool_ray.py)."""
+        ...
+
     def describe(self) -> dict[str, int | str]:
         """ "backend" (its `pool` name) and "nodes" (hosts the workers run on), for Describe and
         the metrics."""

@@ -68,6 +68,10 @@ class ProcessBackend:
     def pids(self) -> list[int]:
         return [w.pid for w in self._procs if w.pid is not None]
 
+    @property
+    def kept_between_epochs(self) -> bool:
+        return False  # forked in milliseconds, new each epoch as torch's are
+
     def describe(self) -> dict[str, int | str]:
         return {"backend": "local", "nodes": 1}
 

@@ -26,12 +26,15 @@ resume stay the coordinator's, since they are decided by positions, never by the
 
 NOTE [ Ray pool reuse ]
 
-Not done yet, and why: keeping a non-persistent loader's pool (bridge and actors) between
-epochs holds its actors' CPUs of the cluster while no epoch runs, and other loaders' pools
-then cannot be placed (measured: tests/test_ray.py's loaders on a 2-CPU cluster). The way is
-to keep the bridge and its connection but release the actors after a Run and place new ones
-(capacity checked) at the next; Begin(fresh=True) already gives an actor torch's per-epoch
-worker state (dataset rebuilt, worker_init_fn again) for when a pool is kept.
+A Ray pool costs seconds to start (the bridge's process and its connection to the cluster,
+actors placed and their datasets built: about 2 s a pool on the test machine), and a loader
+without persistent_workers would pay that every epoch. So such a pool is kept after its Run
+for the loader's next one (server/host.py, KEEP_IDLE_POOL: 30 s, one per loader), and its
+actors begin each epoch as torch's new worker processes would: the bridge's Begin and a lane's
+EpochStart carry `fresh`, and an actor builds its dataset again and runs worker_init_fn again
+(server/ray_actor.py), seeded for the epoch. Kept longer, an idle pool would hold its actors'
+CPUs of the cluster while no epoch runs, and other loaders' pools could not be placed; past
+KEEP_IDLE_POOL it is shut down, and the next epoch starts a new one.
 """
 
 from __future__ import annotations
@@ -146,6 +149,10 @@ class RayBackend:
     def pids(self) -> list[int]:
         """The bridge's: the actors' processes are the cluster's."""
         return [] if self._bridge is None or self._bridge.pid is None else [self._bridge.pid]
+
+    @property
+    def kept_between_epochs(self) -> bool:
+        return True  # NOTE [ Ray pool reuse ]
 
     def describe(self) -> dict[str, int | str]:
         # `direct`: the actors whose batches come on a lane (NOTE [ Ray direct lane ]).

@@ -31,6 +31,7 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.auth import TokenInterceptor
 from remote_loader.server.host import LoaderHost
+from remote_loader.server.kept import KeptPools
 from remote_loader.server.listen import check_address_free
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.service import LoaderService
@@ -277,6 +278,7 @@ def build_hosts(
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
     ctx = ctx or worker_context()
     hosts: dict[str, LoaderHost] = {}
+    kept = KeptPools()  # idle pools, shared: one loader's make room for another's
     try:
         for name, spec in specs.items():
             hosts[name] = LoaderHost(
@@ -286,6 +288,7 @@ def build_hosts(
                 ray_address=ray_address,
                 ray_direct=ray_direct,
                 metrics_max_consumers=metrics_max_consumers,
+                kept=kept,
             )
             hosts[name].start()
     except BaseException:

@@ -28,7 +28,6 @@ from remote_loader.server.ray_lane import (
     share,
 )
 
-
 pytestmark = pytest.mark.unit
 
 

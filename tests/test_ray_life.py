@@ -22,18 +22,21 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from remote_loader.client import RemoteLoader, RemoteLoaderError
+from remote_loader.server import kept as kept_pools
 from remote_loader.server.demo import serve_command
 from remote_loader.server.pool import WorkerPool
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import ConfigError, LoaderSpec, resolve, spec_from_table
 from tests.conftest import (
+    assert_same,
     process_alive,
     serve_process,
     stop_process,
     subprocess_env,
     wait_until,
 )
+from tests.test_parity import CASES, SEED, local_batches
 from tests.test_ray import LOOPBACK, NODE, first_error, start_cluster
 
 
@@ -357,3 +360,60 @@ def test_a_dataset_module_only_in_ray_runtime_env_working_dir(tmp_path: Path) ->
     finally:
         cluster.shutdown()  # type: ignore[no-untyped-call]
         sys.path[:] = [p for p in sys.path if p != str(tmp_path)]
+
+
+@pytest.mark.timeout(300)
+def test_a_pool_without_persistent_workers_is_kept_for_the_next_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without persistent_workers each epoch started a new Ray pool: a bridge, its connection
+    # and new actors, seconds each (NOTE [ Ray pool reuse ] in server/pool_ray.py).
+    monkeypatch.setattr(kept_pools, "KEEP_IDLE_POOL", 3.0)
+    cluster = start_cluster(1)
+    probe = ray_spec(
+        name="probe",
+        dataset="tests.datasets:WorkerProbe",
+        dataset_kwargs={"n": 4},
+        batch_size=1,
+        num_workers=2,
+        worker_init_fn="tests.datasets:count_init",
+    )
+    aug = LoaderSpec(
+        name="aug", num_workers=2, pool="ray", ray_num_cpus=0.25, **CASES["random-aug"]
+    )
+    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    try:
+        with Server(settings, [probe, aug]) as server:
+            kept = server.hosts["probe"]._kept
+
+            def epoch(name: str, number: int) -> list[Any]:
+                with RemoteLoader(server.address, name, seed=SEED) as loader:
+                    loader.set_epoch(number)
+                    return list(loader)
+
+            def bridge(name: str) -> int:
+                (pid,) = kept._pools[name][0].pids
+                return pid
+
+            first = [[int(t) for t in batch] for batch in epoch("probe", 0)]
+            probe_bridge = bridge("probe")
+            second = [[int(t) for t in batch] for batch in epoch("probe", 1)]
+            assert bridge("probe") == probe_bridge  # the same pool ...
+            assert {s[3] for s in second} == {s[3] for s in first}  # ... and actors,
+            assert len({s[3] for s in first}) == 2
+            # begun as new workers: worker_init_fn ran again in each, as torch's would.
+            assert {s[2] for s in first} == {1} and {s[2] for s in second} == {2}
+
+            # Another loader's pool makes room: the idle one goes, its CPUs given back.
+            for number in (3, 4):  # a kept pool's epoch is torch's epoch
+                expected = local_batches(
+                    LoaderSpec(name="aug", num_workers=2, **CASES["random-aug"]), SEED, number
+                )
+                assert_same(epoch("aug", number), expected)
+            assert not process_alive(probe_bridge) and "probe" not in kept._pools
+            # And an idle pool goes after KEEP_IDLE_POOL without an epoch.
+            aug_bridge = bridge("aug")
+            assert wait_until(lambda: not process_alive(aug_bridge), 30)
+            assert not kept._pools
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]
