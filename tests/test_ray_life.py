@@ -392,7 +392,9 @@ def test_a_pool_without_persistent_workers_is_kept_for_the_next_epoch(
                     return list(loader)
 
             def bridge(name: str) -> int:
-                (pid,) = kept._pools[name][0].pids
+                pool = kept._pools[name][0]
+                assert isinstance(pool, WorkerPool)
+                (pid,) = pool.pids
                 return pid
 
             first = [[int(t) for t in batch] for batch in epoch("probe", 0)]
