@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=2)
     demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--num-workers", type=int, default=2)
+    demo.add_argument(
+        "--ray-address",
+        help="run the workers as actors of this Ray cluster (HOST:PORT of its head), one CPU "
+        "each (needs the ray extra)",
+    )
     return parser
 
 
@@ -173,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(args.file)
     if args.command == "health":
         return _health(args.address, args.timeout, args.service, _health_tls(args))
-    return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers)
+    return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers, args.ray_address)
 
 
 def _serve(args: argparse.Namespace) -> int:

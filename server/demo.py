@@ -22,8 +22,11 @@ SERVE_START_TIMEOUT = 120.0
 DEMO_TRAINER_TIMEOUT = 600.0
 
 
-def demo_flags(batch_size: int = 32, num_workers: int = 2) -> list[str]:
-    """`serve` flags for the demo loader: the built-in image folder, shuffled, with indices."""
+def demo_flags(
+    batch_size: int = 32, num_workers: int = 2, ray_address: str | None = None
+) -> list[str]:
+    """`serve` flags for the demo loader: the built-in image folder, shuffled, with indices;
+    with `ray_address`, its workers are Ray actors of that cluster, one CPU each."""
     flags = [
         "--dataset",
         DEMO_DATASET,
@@ -39,6 +42,8 @@ def demo_flags(batch_size: int = 32, num_workers: int = 2) -> list[str]:
     ]
     if num_workers > 0:
         flags.append("--persistent-workers")
+    if ray_address is not None:
+        flags += ["--pool", "ray", "--ray-address", ray_address, "--ray-num-cpus", "1"]
     return flags
 
 
@@ -85,13 +90,17 @@ def spawn_serve(
     return proc, int(match.group(1))
 
 
-def run_demo(trainers: int, epochs: int, batch_size: int, num_workers: int) -> int:
-    """Starts a server and `trainers` trainer processes, shows their progress, checks the data."""
+def run_demo(
+    trainers: int, epochs: int, batch_size: int, num_workers: int, ray_address: str | None = None
+) -> int:
+    """Starts a server and `trainers` trainer processes, shows their progress, checks the data.
+    With `ray_address`, the server's workers are actors of that Ray cluster."""
     from remote_loader.server.datasets import demo_folder
 
-    print(f"remote-loader demo: images in {demo_folder()}", flush=True)
+    where = f", workers as Ray actors of {ray_address}" if ray_address else ""
+    print(f"remote-loader demo: images in {demo_folder()}{where}", flush=True)
     started = time.monotonic()
-    server, port = spawn_serve(demo_flags(batch_size, num_workers))
+    server, port = spawn_serve(demo_flags(batch_size, num_workers, ray_address))
     reports: dict[int, dict[str, Any]] = {}
     try:
         procs = [

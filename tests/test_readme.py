@@ -104,3 +104,35 @@ def test_install_commands_work_from_a_clone() -> None:
         hint = compression.install_hint(codec)
         assert hint.startswith(f'pip install "{requirement}" '), hint
         assert 'pip install ".[compression]"' in hint
+
+
+RAY_RECIPE = "On one machine (to try it)"
+
+
+@pytest.mark.timeout(420)
+def test_the_one_machine_ray_recipe_runs_as_written(tmp_path: Path) -> None:
+    # Its lines, as a user pastes them, in bash with -e: any failing line fails it. In a PID
+    # namespace of its own (we are root in CI), so that its `ray stop` stops only the Ray it
+    # started, and whatever is left dies with the namespace. HOME is a fresh folder (the
+    # token file goes there) and no RAY_AUTH_* of this session's is passed on.
+    section = README[README.index(RAY_RECIPE) :]
+    match = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert match is not None
+    script = "set -euo pipefail\n" + match.group(1)
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("RAY_AUTH_")}
+    env["HOME"] = str(tmp_path)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "Active:" in proc.stdout, output  # `ray status` answered, with the token
+    assert "demo passed" in proc.stdout, output
+    assert "workers as Ray actors of 127.0.0.2:6379" in proc.stdout, output
+    assert (tmp_path / ".ray" / "auth_token").is_file()  # token authentication was on
+    assert "Token authentication is enabled" not in output, output
