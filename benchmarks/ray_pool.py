@@ -1,4 +1,4 @@
-"""pool = "ray" against pool = "local": throughput, the per-batch overhead Ray adds, scaling.
+r"""pool = "ray" against pool = "local": throughput, the per-batch overhead Ray adds, scaling.
 
     python benchmarks/ray_pool.py                      # heavy workload, 2 workers, 1-3 nodes
     python benchmarks/ray_pool.py --workload images --nodes 1
@@ -12,9 +12,18 @@ CPUs and N worker nodes of --cpus-per-node CPUs each; the scaling run repeats th
 each N in --nodes. On a small machine the simulated nodes share its cores, so more nodes show
 Ray's overhead, not a speed-up: run it unchanged on a bigger box (or a real cluster) for that.
 
-Simulated nodes share this host, so their actors hand batches over on direct lanes (NOTE
-[ Ray direct lane ] in server/ray_lane.py); --through-store sends them through Ray's object
-store instead, as actors on other hosts do.
+Simulated nodes share this host, so their actors hand batches over in shared memory on direct
+lanes (NOTE [ Ray direct lane ] in server/ray_lane.py); --through-store sends them through Ray's
+object store instead. Actors whose memory the server cannot map (another host or container)
+send their batches as bytes on their lanes; to measure that on one host, start a node in a PID
+namespace of its own and pass --ray-address (as root; RESULTS.md has the figures):
+
+    unshare --pid --fork --kill-child --mount-proc ray start --block --head \
+        --node-ip-address=127.0.0.2 --port=6399 --num-cpus=0 --include-dashboard=false &
+    unshare --pid --fork --kill-child --mount-proc ray start --block \
+        --address=127.0.0.2:6399 --node-ip-address=127.0.0.2 --num-cpus=2 &
+    python benchmarks/ray_pool.py --workload images \
+        --ray-address 127.0.0.2:6399
 
 Printed per node count: batches/s of each pool (median over --rounds), their ratio, the time per
 batch each takes and the difference (what Ray adds per batch), and the encoded bytes per batch

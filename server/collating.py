@@ -77,7 +77,11 @@ class WorkerSlots:
     of those dropped, from the next Result that `announce`s them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, read_here: bool = False) -> None:
+        # `read_here`: this process is the server, which maps each slot for as long as it
+        # lives (a COPY lane's slots, server/pool_ray.py): a released slot is free whatever
+        # else views it, and the check below for views left behind would drop every slot.
+        self._read_here = read_here
         # Each slot with its count of users when only this table holds it (storage_users).
         self._buffers: dict[int, tuple[torch.Tensor, int]] = {}
         self._free: set[int] = set()
@@ -113,7 +117,15 @@ class WorkerSlots:
         generation = slot_protocol.begin_write(buffer.numpy().data)
         return Taken(slot, buffer, generation)
 
+    def view(self, slot: int) -> memoryview:
+        """The whole slot (its generation word included), for a worker that sends the bytes
+        itself (a COPY lane: NOTE [ Ray direct lane ] in server/ray_lane.py)."""
+        view: memoryview = self._buffers[slot][0].numpy().data
+        return view
+
     def _idle(self, slot: int) -> bool:
+        if self._read_here:
+            return True
         buffer, alone = self._buffers[slot]
         return storage_users(buffer) <= alone
 

@@ -8,21 +8,36 @@ calls into the bridge's commands and the bridge's messages into Results, Ready a
 
 NOTE [ Ray data path ]
 
-An actor on the server's own host hands its batches over as a worker process does: it fills
-shared-memory slots of its own, which the server maps once and streams from (or a same-host
-trainer reads in place), and its tasks and results travel on a direct lane, not through Ray
-(NOTE [ Ray direct lane ] in server/ray_lane.py). That took the Ray pool from 0.17x to
-(figures in benchmarks/RESULTS.md) the local pool on 2.4 MB image batches on one host.
+Every actor first tries to attach a direct lane to the server (NOTE [ Ray direct lane ] in
+server/ray_lane.py), so that its tasks and results bypass Ray's calls and object store:
 
-An actor elsewhere encodes each batch into a numpy array, which Ray puts in its node's object
-store; the bridge reads it over the network and copies it into one of its own slots. So every
-byte of such a batch crosses the server host's link once inbound and once outbound to the
-trainers: at scale the coordinator's NIC, not the workers, bounds throughput (bytes per batch
-through the coordinator = the encoded batch, `remote_loader_batch_bytes`). The next step is for
-trainers to fetch a batch from the node that made it: the server would send only (node
-address, slot, size) in the Frame, as it sends slot positions for shared memory today, and a
-small data server beside each Ray worker node would serve the bytes; ordering, exactly-once and
-resume stay the coordinator's, since they are decided by positions, never by the bytes.
+- on the server's own host (same pid namespace), a SLOTS lane: the actor fills shared-memory
+  slots of its own, which the server maps once and streams from (or a same-host trainer reads
+  in place), exactly as a worker process's. That took the Ray pool from 0.14-0.18x to 0.96-1.08x
+  the local pool on 2.4 and 9.6 MB image batches on one host (benchmarks/RESULTS.md);
+- elsewhere (another host reaching the server's TCP listener, a container, another pid
+  namespace), a COPY lane: each batch follows its Result on the lane and is received straight
+  into a slot of the server's (one kernel copy on each side). Measured with a node in a PID
+  namespace of its own on the same host: 0.72x and 0.53x the local pool on 2.4 and 9.6 MB
+  batches, where Ray's object store gave 0.16x and 0.19x.
+
+An actor that reaches neither listener (a firewall), or every actor of a server with
+`ray_direct = false`, encodes each batch into a numpy array, which Ray puts in its node's object
+store; the bridge reads it, over the network when the actor is elsewhere, and copies it into
+one of its own slots.
+
+Either way every byte of a batch made on another host crosses the server host's link once
+inbound and once outbound to the trainers: at scale the coordinator's NIC, not the workers,
+bounds throughput (bytes per batch through the coordinator = the encoded batch,
+`remote_loader_batch_bytes`). The next step is for trainers to fetch a batch from the node
+that made it: the server would send only (node address, slot, size) in the Frame, as it sends
+slot positions for shared memory today, the actor (or one data server per node) would serve the
+bytes on data connections of protos/tcp.py's kind with tickets the server issues, and its slot
+would be released when the trainer has read it, as a lease ends today. The COPY lane is that
+design's control channel already: it carries the tasks, results and releases; what is missing
+is the trainer's side (a Frame naming a node, connections per node) and the fallback through
+the coordinator per batch. Ordering, exactly-once and resume stay the coordinator's, since they
+are decided by positions, never by the bytes.
 
 NOTE [ Ray pool reuse ]
 
@@ -46,10 +61,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
+import socket
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from remote_loader.protos import slots as slot_protocol
+from remote_loader.server.collating import WorkerSlots
 from remote_loader.server.engine import WorkerDiedError, WorkerInitError
 from remote_loader.server.pool_backend import Event, Ready, Short
 from remote_loader.server.ray_bridge import (
@@ -66,7 +84,7 @@ from remote_loader.server.ray_bridge import (
     StartFailed,
     bridge_main,
 )
-from remote_loader.server.ray_lane import Lanes, SlotRef, open_slot
+from remote_loader.server.ray_lane import Lane, Lanes, SlotRef, open_slot, recv_bytes_into
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -93,16 +111,39 @@ class _Actor:
     alive: bool = True
     making: int = -1
     death: str = ""
-    lane: Connection | None = None
+    lane: Lane | None = None
+    # A COPY lane's batches: slots this process receives them into (server/collating.py).
+    copies: WorkerSlots | None = None
     unanswered: dict[int, None] = dataclasses.field(default_factory=dict)
     pending: list[EpochStart | Task] = dataclasses.field(default_factory=list)
+
+    def attach(self, lane: Lane | None) -> None:
+        self.lane = lane
+        if lane is not None and lane.copy:
+            self.copies = WorkerSlots(read_here=True)
 
     def died(self, reason: str, making: int) -> None:
         self.alive, self.death, self.making = False, reason, making
         if self.lane is not None:
-            self.lane.close()
+            self.lane.conn.close()
             self.lane = None
         self.pending.clear()
+
+
+def lane_host(address: str | None) -> str | None:
+    """This host's address as the cluster at `address` reaches it (the local end of a route to
+    its head), for actors of other hosts to attach their lanes to; None for a local instance
+    or "auto" (actors of this host only reach the Unix listener)."""
+    if address is None or address == "auto":
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # a UDP connect sends nothing: it picks a route
+            local: str = probe.getsockname()[0]
+            return local
+    except (OSError, ValueError):
+        return None
 
 
 class RayBackend:
@@ -156,12 +197,17 @@ class RayBackend:
 
     def describe(self) -> dict[str, int | str]:
         # `direct`: the actors whose batches come on a lane (NOTE [ Ray direct lane ]).
-        return {"backend": "ray", "nodes": self.nodes, "direct": self.direct}
+        return {"backend": "ray", "nodes": self.nodes, "direct": self.direct, "copied": self.copied}
 
     @property
     def direct(self) -> int:
         """Actors whose batches come on a direct lane (NOTE [ Ray direct lane ])."""
         return sum(a.lane is not None for a in self._actors)
+
+    @property
+    def copied(self) -> int:
+        """... of them, those whose batches come on it as bytes (COPY)."""
+        return sum(a.copies is not None for a in self._actors)
 
     def start(self) -> None:
         """Starts the bridge, which connects and places actors 0..num_workers-1;
@@ -170,7 +216,7 @@ class RayBackend:
         commands_reader, self._commands = self._ctx.Pipe(duplex=False)
         self._results, results_writer = self._ctx.Pipe(duplex=False)
         if self._direct:
-            self._lanes = Lanes()
+            self._lanes = Lanes(lane_host(self.address))
         cfg = BridgeConfig(
             self.spec,
             self.batching,
@@ -197,7 +243,7 @@ class RayBackend:
                 self.nodes, self._attached = message.nodes, message.attached
                 self._placed = len(message.attached)
                 log.info(
-                    "loader %r: %d Ray actor(s) on %d node(s) of %s, %d attached on this host",
+                    "loader %r: %d Ray actor(s) on %d node(s) of %s, %d on a direct lane",
                     self.spec.name,
                     self._placed,
                     message.nodes,
@@ -231,14 +277,14 @@ class RayBackend:
             self._command(Spawn(worker_id, num_workers, incarnation))
         actor = _Actor(incarnation, ready=placed)
         if placed and self._attached[incarnation]:
-            actor.lane = self._take_lane(incarnation)
+            actor.attach(self._take_lane(incarnation))
         if worker_id == self.workers:
             self._actors.append(actor)
         else:
             self._actors[worker_id] = actor
         return incarnation
 
-    def _take_lane(self, incarnation: int) -> Connection | None:
+    def _take_lane(self, incarnation: int) -> Lane | None:
         return None if self._lanes is None else self._lanes.take(incarnation)
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
@@ -253,8 +299,11 @@ class RayBackend:
             return
         if isinstance(message, Task):
             actor.unanswered[message.task_id] = None
+            if actor.copies is not None:  # the slots are this process's, not the actor's
+                actor.copies.release(message.released)
+                message = dataclasses.replace(message, released=())
         try:
-            actor.lane.send(message)
+            actor.lane.conn.send(message)
         except OSError:
             self._lane_closed(worker_id)
 
@@ -263,7 +312,7 @@ class RayBackend:
 
     def receive(self, timeout: float) -> Iterator[Event]:
         assert self._bridge is not None and self._results is not None
-        lanes = {a.lane: w for w, a in enumerate(self._actors) if a.lane is not None}
+        lanes = {a.lane.conn: w for w, a in enumerate(self._actors) if a.lane is not None}
         waited: list[Any] = [self._results, self._bridge.sentinel, *lanes]
         ready = multiprocessing.connection.wait(waited, timeout)
         if self._bridge.sentinel in ready:
@@ -284,20 +333,46 @@ class RayBackend:
             if event is not None:
                 yield event
 
-    def _from_lane(self, worker_id: int, lane: Connection) -> Iterator[Event]:
+    def _from_lane(self, worker_id: int, conn: Connection) -> Iterator[Event]:
         """The Results waiting on an actor's lane; its death when the lane has closed."""
         actor = self._actors[worker_id]
-        while actor.lane is lane and lane.poll():
+        while actor.lane is not None and actor.lane.conn is conn and conn.poll():
             try:
-                result = lane.recv()
+                result = conn.recv()
                 ref = result.new_buffer
                 if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))
+                elif actor.copies is not None and result.total_nbytes:
+                    result = self._copied(actor.copies, conn, result)
             except (EOFError, OSError):
                 self._lane_closed(worker_id)
                 return
             actor.unanswered.pop(result.task_id, None)
             yield result
+
+    @staticmethod
+    def _copied(slots: WorkerSlots, conn: Connection, result: Result) -> Result:
+        """A COPY lane's batch, which follows its Result: received straight into a slot."""
+        taken = slots.take(result.total_nbytes)
+        try:
+            blob = taken.blob(result.total_nbytes).numpy().data
+            got = recv_bytes_into(conn, blob)
+        except BaseException:
+            slots.give_back(taken)
+            raise
+        if got != result.total_nbytes:
+            slots.give_back(taken)
+            raise OSError(f"a {got}-byte batch where its Result said {result.total_nbytes}")
+        slots.written(taken)
+        new_buffer, dropped = slots.announce(taken.slot)
+        return dataclasses.replace(
+            result,
+            slot=taken.slot,
+            offset=slot_protocol.SLOT_HEADER,
+            new_buffer=new_buffer,
+            dropped=dropped,
+            generation=taken.generation,
+        )
 
     def _lane_closed(self, worker_id: int) -> None:
         """An actor's lane closed: it died (a process of this host), making the first task
@@ -324,7 +399,7 @@ class RayBackend:
             actor = self._actors[message.worker_id]
             actor.ready = True
             if message.attached:
-                actor.lane = self._take_lane(message.incarnation)
+                actor.attach(self._take_lane(message.incarnation))
             pending, actor.pending = actor.pending, []
             for held in pending:
                 self.send(message.worker_id, held)
@@ -365,7 +440,7 @@ class RayBackend:
         self._command(Retire())
         actor = self._actors.pop()
         if actor.lane is not None:
-            actor.lane.close()
+            actor.lane.conn.close()
 
     def _command(self, message: object) -> None:
         try:
@@ -397,7 +472,7 @@ class RayBackend:
         self._commands = self._results = None
         for actor in self._actors:
             if actor.lane is not None:
-                actor.lane.close()
+                actor.lane.conn.close()
                 actor.lane = None
         if self._lanes is not None:
             self._lanes.close()

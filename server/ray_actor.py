@@ -20,7 +20,6 @@ import functools
 import os
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 
 from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import WorkerSlots, use_collate_buffers
-from remote_loader.server.ray_lane import LaneAddress, Probe, attach, share
+from remote_loader.server.ray_lane import Lane, LaneAddress, Probe, attach, share
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
@@ -74,11 +73,11 @@ class RayWorker:
         self.attached = False
         if lane is not None:
             self._probe = Probe()  # kept for the actor's life
-            conn = attach(lane, incarnation, self._probe)
-            if conn is not None:
+            taken = attach(lane, incarnation, self._probe)
+            if taken is not None:
                 self.attached = True
                 threading.Thread(
-                    target=self._serve_lane, args=(conn,), name="rl-lane", daemon=True
+                    target=self._serve_lane, args=(taken,), name="rl-lane", daemon=True
                 ).start()
 
     def node(self) -> tuple[str, bool]:
@@ -127,11 +126,13 @@ class RayWorker:
                 fields = {"blob": blob, "header_nbytes": len(encoded.header)}
         return fields, started, time.monotonic()
 
-    def _serve_lane(self, conn: Connection) -> None:
+    def _serve_lane(self, lane: Lane) -> None:
         """The lane's thread: EpochStart and Task in, a Result per Task out, as a worker
-        process's loop (server/worker.py), with slots of the actor's own; ends when the server
-        closes the lane or refused it."""
+        process's loop (server/worker.py), into slots of the actor's own: the server maps them
+        (SLOTS), or each batch follows its Result on the lane (COPY), its slot free again once
+        sent. Ends when the server closes the lane."""
         slots = WorkerSlots()
+        conn = lane.conn
         with conn:
             while True:
                 try:
@@ -153,7 +154,13 @@ class RayWorker:
                     )
                 except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
                     fields = {"error": RemoteError.capture(self.state.where, exc)}
-                if fields.get("new_buffer") is not None:
+                blob = None
+                if lane.copy and "slot" in fields:
+                    # The server has none of this actor's slots: the bytes go on the lane.
+                    slot, start = fields.pop("slot"), fields.pop("offset")
+                    blob = slots.view(slot)[start : start + fields["total_nbytes"]]
+                    del fields["new_buffer"], fields["dropped"], fields["generation"]
+                elif fields.get("new_buffer") is not None:
                     fields["new_buffer"] = share(fields["new_buffer"])  # the server maps it
                 result = Result(
                     self.worker_id,
@@ -166,6 +173,11 @@ class RayWorker:
                 )
                 try:
                     conn.send(result)
+                    if blob is not None:
+                        conn.send_bytes(blob)
                 except OSError:
                     return
+                if blob is not None:
+                    del blob
+                    slots.release((slot,))
                 del result, fields

@@ -1,27 +1,32 @@
-"""Direct lanes: a Ray actor on the server's own host talks to the server as a worker process.
+"""Direct lanes: a Ray actor talks to the server as a worker process does, not through Ray.
 
 NOTE [ Ray direct lane ]
 
 Through Ray, each task is an actor call and each batch an object: measured on the benchmark
 machine (2 cores, images workload, 2.4 MB batches), the bridge spent 1.05 ms of CPU a batch on
 calls and copies and each actor 0.9 ms more than a worker process does for the same batch, and
-the Ray pool gave 0.17x the local pool. An actor that shares the server's host needs none of
-it: at start it connects to a Unix socket of the server's (the abstract namespace, so nothing
-is left on disk and only this host's network namespace sees it), proves it was sent by the
-pool (a secret token the pool gave its bridge) and offers a probe of its shared memory. When
-the server can open the probe through /proc/<pid>/fd and finds the token the actor wrote in
-it (the same pid namespace and user, not a process of the same pid elsewhere), the lane is
-taken: from then on the actor's EpochStarts and Tasks go down the lane, and its Results come
-back up it, naming slots of the actor's own (server/collating.py) that the server maps once,
-exactly as a worker process's. Ray still places, starts, supervises and kills the actor; a
-lane that closes is the actor's death (the first task sent and unanswered is the one it was
-making, as for a worker process).
+the Ray pool gave 0.17x the local pool. So at start an actor attaches a lane of its own to the
+server: the server's Unix socket (abstract namespace: nothing left on disk, seen only from this
+host's network namespace) when it can reach it, else its TCP listener (on the address the
+server's host reaches the cluster from). It proves the pool sent it (a secret token the pool
+gave its bridge) and offers a probe of its shared memory. The server answers which lane it is:
 
-Not taken (another host, another pid or network namespace, `ray_direct = false`): the actor's
-batches come through Ray (NOTE [ Ray data path ] in server/pool_ray.py).
+- SLOTS, when it can open the probe through /proc/<pid>/fd and finds the token the actor wrote
+  in it (this host, the same pid namespace and user, not a process of the same pid elsewhere):
+  the actor's batches lie in slots of its own that the server maps once, exactly as a worker
+  process's, and each Result names one;
+- COPY, otherwise (another host, container or pid namespace): each Result is followed on the
+  lane by the encoded batch, which the server receives straight into a slot of its own for
+  the actor (one kernel copy; no object store, no bridge).
 
-Bounds: one lane per actor of this host, each a socket with what the kernel buffers; hellos
-of actors not yet placed wait at most HELLO_TIMEOUT, and at most one per actor spawned.
+Either way the actor's EpochStarts and Tasks go down the lane and its Results come up it; Ray
+still places, starts, supervises and kills the actor, and a lane that closes is the actor's
+death (the first task sent and unanswered is the one it was making, as for a worker process).
+An actor that reaches neither socket, or a server with `ray_lanes = "off"`, answers the
+bridge's calls through Ray's object store (NOTE [ Ray data path ] in server/pool_ray.py).
+
+Bounds: one lane per actor; hellos of actors not yet placed wait at most HELLO_TIMEOUT, at most
+one per actor spawned; a COPY lane has at most the actor's tasks in flight in its socket.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import dataclasses
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -82,7 +89,20 @@ class LaneAddress:
     """Where and how an actor attaches (given to its constructor through the bridge)."""
 
     path: str  # a Unix socket in the abstract namespace (a leading NUL)
+    tcp: tuple[str, int] | None  # the TCP listener, for actors that cannot reach `path`
     secret: bytes
+
+
+# The server's answer to a hello that checked out: the lane's kind.
+SLOTS, COPY = b"S", b"C"
+
+
+@dataclasses.dataclass
+class Lane:
+    """A taken lane: its connection, and whether batches come on it as bytes (COPY)."""
+
+    conn: Connection
+    copy: bool
 
 
 class Probe:
@@ -95,43 +115,97 @@ class Probe:
         self.ref = share(self._buffer)
 
 
-def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Connection | None:
-    """The actor's end of its lane, hello said; None when the server's socket is not reachable
-    from here (another host or network namespace)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(HELLO_TIMEOUT)
-        sock.connect(lane.path)
-        sock.settimeout(None)
-    except OSError:
-        sock.close()
+def _connect(lane: LaneAddress) -> socket.socket | None:
+    """A socket to the server's Unix listener, else its TCP one; None when neither answers."""
+    targets: list[tuple[int, Any]] = [(socket.AF_UNIX, lane.path)]
+    if lane.tcp is not None:
+        targets.append((socket.AF_INET, lane.tcp))
+    for family, address in targets:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(HELLO_TIMEOUT)
+            sock.connect(address)
+            sock.settimeout(None)
+        except OSError:
+            sock.close()
+            continue
+        if family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    return None
+
+
+def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Lane | None:
+    """The actor's end of its lane, hello said and answered; None when the server cannot be
+    reached from here, or did not take the lane."""
+    sock = _connect(lane)
+    if sock is None:
         return None
     conn = Connection(sock.detach())
     ref = probe.ref
     hello = _HELLO.pack(lane.secret, incarnation, ref.pid, ref.fd, ref.inode, ref.size, probe.token)
     try:
         conn.send_bytes(hello)
-    except OSError:
-        conn.close()
-        return None
-    return conn
+        if conn.poll(HELLO_TIMEOUT):
+            verdict = conn.recv_bytes(1)
+            if verdict in (SLOTS, COPY):
+                return Lane(conn, copy=verdict == COPY)
+    except (OSError, EOFError):
+        pass
+    conn.close()
+    return None
+
+
+def recv_bytes_into(conn: Connection, into: memoryview) -> int:
+    """One message the peer sent with `send_bytes`, read straight into `into` (the kernel's
+    copy only; Connection.recv_bytes_into reads it whole into a BytesIO first, then copies it
+    again: three passes over each batch and a fresh buffer's page faults). Returns its size;
+    OSError when it does not fit."""
+    fd = conn.fileno()
+    size: int = struct.unpack("!i", _read_exactly(fd, 4))[0]
+    if size == -1:  # a message of 2 GiB or more: the size follows as 8 bytes
+        size = struct.unpack("!Q", _read_exactly(fd, 8))[0]
+    if size > len(into):
+        raise OSError(f"a {size}-byte message where {len(into)} bytes were room for it")
+    view = into[:size]
+    while view:
+        got = os.readv(fd, [view])
+        if got == 0:
+            raise EOFError("the lane closed in the middle of a batch")
+        view = view[got:]
+    return size
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("the lane closed")
+        data += chunk
+    return data
 
 
 class Lanes:
-    """The server's side: a listening socket, and the lanes of actors whose hello checked out,
-    by incarnation, until the pool takes them."""
+    """The server's side: its listeners, and the lanes of actors whose hello checked out, by
+    incarnation, until the pool takes them. `tcp_host`: the address to listen on for actors
+    of other hosts (None: Unix only)."""
 
-    def __init__(self) -> None:
-        self.address = LaneAddress(
-            f"\0remote-loader-{os.getpid()}-{secrets.token_hex(8)}", secrets.token_bytes(32)
-        )
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.address.path)
-        self._sock.listen(64)
-        self._sock.settimeout(0.5)  # so that the accepting thread sees `close`
-        # Per incarnation: its lane, or None when its hello checked out but its memory does not
-        # map here. At most one per actor spawned, until taken.
-        self._ready: dict[int, Connection | None] = {}
+    def __init__(self, tcp_host: str | None = None) -> None:
+        self._listeners = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)]
+        path = f"\0remote-loader-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listeners[0].bind(path)
+        tcp = None
+        if tcp_host is not None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((tcp_host, 0))
+            self._listeners.append(listener)
+            tcp = (tcp_host, listener.getsockname()[1])
+        for listener in self._listeners:
+            listener.listen(64)
+        self.address = LaneAddress(path, tcp, secrets.token_bytes(32))
+        # Per incarnation: its lane. At most one per actor spawned, until taken.
+        self._ready: dict[int, Lane] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="rl-ray-lanes", daemon=True)
@@ -140,26 +214,32 @@ class Lanes:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+                ready, _, _ = select.select(self._listeners, [], [], 0.5)
+                accepted = [listener.accept()[0] for listener in ready]
+            except (OSError, ValueError):
                 return  # closed
-            conn = Connection(sock.detach())
-            try:
-                incarnation, mappable = self._hello(conn)
-            except (OSError, EOFError, ValueError):
-                incarnation, mappable = None, False
-            if incarnation is None or not mappable:
-                conn.close()  # the actor's lane thread ends; its batches come through Ray
-            if incarnation is None:
-                continue
-            with self._cond:
-                old = self._ready.pop(incarnation, None)
-                self._ready[incarnation] = conn if mappable else None
-                self._cond.notify_all()
-            if old is not None:
-                old.close()
+            for sock in accepted:
+                if sock.family == socket.AF_INET:  # a task is a small message: no Nagle wait
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._greet(Connection(sock.detach()))
+
+    def _greet(self, conn: Connection) -> None:
+        """Reads a peer's hello; a lane of the kind its memory allows, or closed."""
+        try:
+            incarnation, mappable = self._hello(conn)
+            if incarnation is not None:
+                conn.send_bytes(SLOTS if mappable else COPY)
+        except (OSError, EOFError, ValueError):
+            incarnation = None
+        if incarnation is None:
+            conn.close()
+            return
+        with self._cond:
+            old = self._ready.pop(incarnation, None)
+            self._ready[incarnation] = Lane(conn, copy=not mappable)
+            self._cond.notify_all()
+        if old is not None:
+            old.conn.close()
 
     def _hello(self, conn: Connection) -> tuple[int | None, bool]:
         """The incarnation of a peer that knows the secret (else None), and whether its memory
@@ -175,12 +255,12 @@ class Lanes:
         try:
             probe = open_slot(SlotRef(pid, fd, inode, size))
         except OSError:
-            return int(incarnation), False  # another pid namespace, or not permitted
+            return int(incarnation), False  # another host or pid namespace, or not permitted
         return int(incarnation), bytes(probe.numpy()) == token
 
-    def take(self, incarnation: int, timeout: float = HELLO_TIMEOUT) -> Connection | None:
-        """The lane of an actor that said it attached; None when its memory does not map here
-        or its hello did not come within `timeout` (its batches then come through Ray)."""
+    def take(self, incarnation: int, timeout: float = HELLO_TIMEOUT) -> Lane | None:
+        """The lane of an actor that said it attached; None when its hello did not come within
+        `timeout` (its batches then come through Ray)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while incarnation not in self._ready:
@@ -192,12 +272,12 @@ class Lanes:
 
     def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        for listener in self._listeners:
+            with contextlib.suppress(OSError):
+                listener.close()
         self._thread.join(2.0)
         with self._cond:
-            for conn in self._ready.values():
-                if conn is not None:
-                    conn.close()
+            for lane in self._ready.values():
+                lane.conn.close()
             self._ready.clear()
             self._cond.notify_all()

@@ -91,9 +91,9 @@ class ServerSettings:
     # The Ray cluster of loaders with pool = "ray" (ray.init's address: HOST:PORT of the head's
     # GCS, or "auto"); None starts a local Ray instance on this host.
     ray_address: str | None = None
-    # Ray actors on this server's host hand their batches over in shared memory on a direct
-    # lane (NOTE [ Ray direct lane ] in server/ray_lane.py); false: through Ray's object
-    # store, as from another host.
+    # Ray actors talk to the server on direct lanes: in shared memory on this host, their
+    # batches as bytes on a socket from elsewhere (NOTE [ Ray direct lane ] in
+    # server/ray_lane.py); false: every batch through Ray's calls and object store.
     ray_direct: bool = True
     # The token itself, from REMOTE_LOADER_TOKEN only (ENV_ONLY); never shown.
     token: str | None = dataclasses.field(default=None, repr=False)

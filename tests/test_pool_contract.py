@@ -5,9 +5,10 @@ costing nothing.
 Both backends run on one pool core (server/pool.py): these tests hold every backend to what
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
 two nodes on 127.0.0.1, their batches on direct lanes, "ray", or through Ray's object store as
-from another host, "ray-store"). What only one backend has (the fork server, a removed Ray
-node, Ray's start-up errors) is tested beside it, in test_supervision.py and test_ray.py /
-test_ray_life.py; the lanes' handshake in test_ray_lane.py.
+from another host, "ray-store"; a node in a PID namespace of its own, as in a container, whose
+actors' batches come as bytes on their lanes, "ray-copy"). What only one backend has (the fork
+server, a removed Ray node, Ray's start-up errors) is tested beside it, in test_supervision.py
+and test_ray.py / test_ray_life.py; the lanes' handshake in test_ray_lane.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from ray.cluster_utils import Cluster
 
 from remote_loader.client import DatasetError, RemoteLoader
 from remote_loader.server.pool import WorkerPool
@@ -28,7 +30,7 @@ from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.supervision import MAX_TASK_ATTEMPTS
 from tests.conftest import assert_same
 from tests.test_parity import CASES, SEED, local_batches
-from tests.test_ray import LOOPBACK, start_cluster
+from tests.test_ray import LOOPBACK, ContainedCluster, host_pid, start_cluster
 
 TIMEOUT = 1.0
 # Batch sizes that grow, shrink and spike: workers' slots (the Ray bridge's, per actor) grow,
@@ -83,13 +85,16 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     ]
 
 
-@pytest.fixture(scope="module", params=["local", "ray", "ray-store"])
+@pytest.fixture(scope="module", params=["local", "ray", "ray-store", "ray-copy"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     ray_address = None
-    cluster = None
-    if request.param != "local":
+    cluster: Cluster | ContainedCluster | None = None
+    if request.param == "ray-copy":
+        cluster = ContainedCluster()
+        ray_address = cluster.address
+    elif request.param != "local":
         cluster = start_cluster(2)
         ray_address = cluster.address
     settings = ServerSettings(
@@ -101,14 +106,16 @@ def served(
         log = str(tmp_path_factory.mktemp(request.param) / "slow-readers")
         with Server(settings, contract_specs(request.param, log)) as server:
             # Each Ray actor's batches came the way the parameter says.
-            direct = [server.hosts[n].pool_info.get("direct") for n in ("crash", "slow")]
+            info = [server.hosts[n].pool_info for n in ("crash", "slow")]
+            lanes = [(i.get("direct"), i.get("copied")) for i in info]
             if request.param != "local":
-                assert direct == ([2, 2] if request.param == "ray" else [0, 0]), direct
+                expected = {"ray": (2, 0), "ray-store": (0, 0), "ray-copy": (2, 2)}
+                assert lanes == [expected[request.param]] * 2, info
             yield server
             server.stop(0)
     finally:
         if cluster is not None:
-            cluster.shutdown()  # type: ignore[no-untyped-call]
+            cluster.shutdown()
 
 
 def persistent_pool(server: Server, name: str) -> WorkerPool:
@@ -196,5 +203,7 @@ def kill_a_worker(pool: WorkerPool) -> None:
     log = pool.spec.dataset_kwargs["log"]
     with open(log) as readers:
         pid = int(readers.read().split()[-1])
+    if pool.describe().get("copied"):
+        pid = host_pid(pid)  # an actor's own pid namespace named it
     assert pid != os.getpid()
     os.kill(pid, signal.SIGKILL)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,7 +29,7 @@ from remote_loader.server import autotune
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings, resolve_settings
 from remote_loader.server.spec import ConfigError, LoaderSpec, read_config
-from tests.conftest import assert_same
+from tests.conftest import assert_same, wait_until
 from tests.test_parity import CASES, SEED, local_batches
 
 LOOPBACK = "127.0.0.1"
@@ -59,6 +62,85 @@ def start_cluster(workers: int) -> Cluster:
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+class ContainedCluster:
+    """A head and one worker node started with `ray start --block`, each in a PID namespace of
+    its own, as in containers: their processes' pids are not this host's, so this process
+    cannot map an actor's memory through /proc and its lanes are COPY lanes (NOTE [ Ray direct
+    lane ] in server/ray_lane.py). On 127.0.0.2 (tests/test_readme.py says why). Stopped by
+    SIGKILL to each `unshare`, whose --kill-child takes its namespace down with it."""
+
+    HOST = "127.0.0.2"
+
+    def __init__(self, cpus: int = 2) -> None:
+        with socket.socket() as probe:
+            probe.bind((self.HOST, 0))
+            port = probe.getsockname()[1]
+        self.address = f"{self.HOST}:{port}"
+        ray = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
+        contained = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *ray]
+        # Without token authentication (tests/test_readme.py runs a cluster with it): given the
+        # session's RAY_AUTH_TOKEN but no RAY_AUTH_MODE, `ray start --head` asks for the token
+        # and `ray start --address` does not send it.
+        # And without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (set above for Cluster), which makes
+        # `ray start --address` refuse to join.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        env["RAY_AUTH_MODE"] = "disabled"
+        quiet: dict[str, Any] = {
+            "stdout": subprocess.DEVNULL,
+            "stderr": subprocess.DEVNULL,
+            "env": env,
+        }
+        head = [f"--node-ip-address={self.HOST}", f"--port={port}", "--num-cpus=0"]
+        self.procs = [
+            subprocess.Popen([*contained, "--head", *head, "--include-dashboard=false"], **quiet)
+        ]
+        try:
+            node = [f"--address={self.address}", f"--node-ip-address={self.HOST}"]
+            assert wait_for_port(self.HOST, port, 60), "the contained head did not start"
+            self.procs.append(subprocess.Popen([*contained, *node, f"--num-cpus={cpus}"], **quiet))
+            status = [ray[0], "status", f"--address={self.address}"]
+            assert wait_until(
+                lambda: f"/{cpus}.0 CPU" in subprocess.run(status, env=env, **CAPTURE).stdout, 90
+            ), "the contained worker node did not join"
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(30)
+
+
+CAPTURE: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60}
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    def accepts() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+
+    return wait_until(accepts, timeout)
+
+
+def host_pid(pid: int) -> int:
+    """The pid, in this process's namespace, of a Ray actor whose own namespace calls it `pid`
+    (its NSpid's last field)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        nspids = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid"))
+        if len(nspids) > 1 and int(nspids[-1]) == pid and b"RayWorker" in cmdline:
+            return int(entry)
+    raise AssertionError(f"no Ray actor whose own pid namespace calls it {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +205,7 @@ def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
     with Server(ServerSettings(address=f"{LOOPBACK}:0"), [spec]) as server:
         # Its actors share this host: their batches come on direct lanes.
         info = server.hosts["here"].pool_info
-        assert info == {"backend": "ray", "nodes": 1, "workers": 2, "direct": 2}
+        assert info == {"backend": "ray", "nodes": 1, "workers": 2, "direct": 2, "copied": 0}
         assert_same(epoch_of(server.address, "here"), epoch_of_local("map"))
 
 

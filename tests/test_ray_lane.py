@@ -1,6 +1,7 @@
-"""The direct lane of a same-host Ray actor (NOTE [ Ray direct lane ] in server/ray_lane.py):
-only a peer that knows the pool's secret and whose memory this process maps gets one; anyone
-else is refused at once, without unpickling a byte of theirs, and the listener goes on.
+"""A Ray actor's direct lane (NOTE [ Ray direct lane ] in server/ray_lane.py): only a peer that
+knows the pool's secret gets one, a SLOTS lane when this process maps its memory, else a COPY
+lane; anyone else is refused at once, without unpickling a byte of theirs, and the listener
+goes on. Over the Unix listener, and over TCP for a peer that cannot reach it.
 
 With real sockets and shared memory, no Ray: the actors' side is `attach`, as a RayWorker
 calls it (tests/test_pool_contract.py runs the lanes of real actors).
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,6 +27,7 @@ from remote_loader.server.ray_lane import (
     SlotRef,
     attach,
     open_slot,
+    recv_bytes_into,
     share,
 )
 
@@ -40,12 +43,13 @@ def lanes() -> Iterator[Lanes]:
         lanes.close()
 
 
-def test_an_actor_whose_memory_maps_here_gets_its_lane(lanes: Lanes) -> None:
+def test_an_actor_whose_memory_maps_here_gets_a_slots_lane(lanes: Lanes) -> None:
     probe = Probe()
-    theirs = attach(lanes.address, 7, probe)
-    assert theirs is not None
-    ours = lanes.take(7)
-    assert ours is not None
+    lane = attach(lanes.address, 7, probe)
+    assert lane is not None and not lane.copy
+    taken = lanes.take(7)
+    assert taken is not None and not taken.copy
+    theirs, ours = lane.conn, taken.conn
     ours.send(("task", 1))
     assert theirs.recv() == ("task", 1)
     theirs.send(("result", 1))
@@ -57,11 +61,8 @@ def test_an_actor_whose_memory_maps_here_gets_its_lane(lanes: Lanes) -> None:
 
 def test_a_peer_without_the_secret_is_refused_and_the_listener_goes_on(lanes: Lanes) -> None:
     wrong = dataclasses.replace(lanes.address, secret=os.urandom(32))
-    theirs = attach(wrong, 3, Probe())
-    assert theirs is not None  # connected: the hello is what is refused
-    with pytest.raises(EOFError):
-        theirs.recv()
     started = time.monotonic()
+    assert attach(wrong, 3, Probe()) is None  # closed without an answer
     assert lanes.take(3, timeout=0.5) is None
     # Bytes that are no hello at all, then a good actor: it still gets its lane.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
@@ -71,22 +72,46 @@ def test_a_peer_without_the_secret_is_refused_and_the_listener_goes_on(lanes: La
         with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread
             assert raw.recv(1) == b""  # closed by the server
     probe = Probe()  # kept while the server opens it, as an actor keeps its own
-    good = attach(lanes.address, 4, probe)
-    assert good is not None and lanes.take(4) is not None
+    assert attach(lanes.address, 4, probe) is not None and lanes.take(4) is not None
     assert time.monotonic() - started < HELLO_TIMEOUT
 
 
-def test_an_actor_whose_probe_does_not_hold_its_token_is_answered_at_once(lanes: Lanes) -> None:
+def test_an_actor_whose_memory_does_not_map_here_gets_a_copy_lane(lanes: Lanes) -> None:
     # As from a process of the same pid on another host: the file opens, its content differs.
     probe = Probe()
     probe.token = bytes(16)
-    theirs = attach(lanes.address, 5, probe)
-    assert theirs is not None
-    started = time.monotonic()
-    assert lanes.take(5) is None  # no wait for a hello that will never check out
-    assert time.monotonic() - started < 1.0
-    with pytest.raises(EOFError):
-        theirs.recv()
+    lane = attach(lanes.address, 5, probe)
+    assert lane is not None and lane.copy
+    taken = lanes.take(5)
+    assert taken is not None and taken.copy
+    blob = os.urandom(3 << 20)  # a batch's bytes, after its Result: more than a socket holds
+    sender = threading.Thread(target=lane.conn.send_bytes, args=(blob,))
+    sender.start()
+    into = bytearray(16 + len(blob))
+    assert recv_bytes_into(taken.conn, memoryview(into)[16:]) == len(blob)
+    assert into[16:] == blob
+    sender.join()
+    # And what no slot has room for is refused, not written past the slot.
+    lane.conn.send_bytes(b"x" * 100)
+    with pytest.raises(OSError, match="100-byte message where 10 bytes"):
+        recv_bytes_into(taken.conn, memoryview(bytearray(10)))
+
+
+def test_an_actor_that_cannot_reach_the_unix_listener_attaches_over_tcp() -> None:
+    lanes = Lanes(tcp_host="127.0.0.1")
+    try:
+        assert lanes.address.tcp is not None and lanes.address.tcp[0] == "127.0.0.1"
+        # As from another network namespace: the abstract socket is not there.
+        elsewhere = dataclasses.replace(lanes.address, path="\0remote-loader-nowhere")
+        probe = Probe()
+        lane = attach(elsewhere, 6, probe)
+        assert lane is not None and not lane.copy  # this host after all: its memory maps
+        taken = lanes.take(6)
+        assert taken is not None
+        lane.conn.send(("result", 6))
+        assert taken.conn.recv() == ("result", 6)
+    finally:
+        lanes.close()
 
 
 def test_no_lane_where_the_socket_cannot_be_reached() -> None:
