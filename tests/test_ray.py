@@ -169,8 +169,13 @@ def address(cluster: Cluster) -> Iterator[str]:
         ),
         LoaderSpec(name="persistent-local", num_workers=2, **CASES["map-shuffle"]),
     ]
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
+    # ray_direct = false: these loaders' batches come through Ray's calls and object store, the
+    # path of actors that reach no lane (tests/test_pool_contract.py runs the lanes).
+    settings = ServerSettings(
+        address=f"{LOOPBACK}:0", ray_address=cluster.address, ray_direct=False
+    )
     with Server(settings, specs) as server:
+        assert server.hosts["persistent"].pool_info["direct"] == 0
         yield server.address
         server.stop(0)
 
