@@ -344,6 +344,12 @@ class RayBackend:
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))
                 elif actor.copies is not None and result.total_nbytes:
                     result = self._copied(actor.copies, conn, result)
+            except TimeoutError as exc:
+                # Stalled mid-batch (a stopped process, a partitioned node): it is stopped, so
+                # that it does not hold its CPUs beside its replacement.
+                self._command(Kill(worker_id))
+                self._lane_closed(worker_id, f"{exc} (a stopped process or a lost node?)")
+                return
             except (EOFError, OSError):
                 self._lane_closed(worker_id)
                 return
@@ -374,16 +380,16 @@ class RayBackend:
             generation=taken.generation,
         )
 
-    def _lane_closed(self, worker_id: int) -> None:
-        """An actor's lane closed: it died (a process of this host), making the first task
-        sent to it and not answered."""
+    def _lane_closed(self, worker_id: int, why: str = "") -> None:
+        """An actor's lane closed (or stalled: `why`): it died, making the first task sent to
+        it and not answered."""
         actor = self._actors[worker_id]
         making = next(iter(actor.unanswered), -1)
-        actor.died(
-            f"DataLoader worker {worker_id} (a Ray actor on this host) died: its lane to the "
-            "server closed (its process ended: killed, out of memory, or exited in the dataset)",
-            making,
+        why = why or (
+            "its lane to the server closed (its process ended: killed, out of memory, or "
+            "exited in the dataset)"
         )
+        actor.died(f"DataLoader worker {worker_id} (a Ray actor) died: {why}", making)
 
     def _event(self, message: object) -> Event | None:
         if isinstance(message, Result):

@@ -49,6 +49,9 @@ import torch
 # How long an accepted connection may take to say hello, and how long the server waits for the
 # hello of an actor that said it attached.
 HELLO_TIMEOUT = 5.0
+# How long a batch on a COPY lane may go without a byte before the actor counts as lost (a
+# stopped process, a partitioned node): the pool's thread reads it, and must not wait for good.
+BATCH_STALL = 30.0
 # The hello: the pool's secret, the actor's incarnation, its probe (pid, fd, inode, size) and
 # the token written in it.
 _HELLO = struct.Struct("!32sqqqQQ16s")
@@ -156,19 +159,20 @@ def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Lane | None:
     return None
 
 
-def recv_bytes_into(conn: Connection, into: memoryview) -> int:
+def recv_bytes_into(conn: Connection, into: memoryview, stall: float = BATCH_STALL) -> int:
     """One message the peer sent with `send_bytes`, read straight into `into` (the kernel's
     copy only; Connection.recv_bytes_into reads it whole into a BytesIO first, then copies it
     again: three passes over each batch and a fresh buffer's page faults). Returns its size;
-    OSError when it does not fit."""
+    OSError when it does not fit, TimeoutError when no byte came for `stall` seconds."""
     fd = conn.fileno()
-    size: int = struct.unpack("!i", _read_exactly(fd, 4))[0]
+    size: int = struct.unpack("!i", _read_exactly(fd, 4, stall))[0]
     if size == -1:  # a message of 2 GiB or more: the size follows as 8 bytes
-        size = struct.unpack("!Q", _read_exactly(fd, 8))[0]
+        size = struct.unpack("!Q", _read_exactly(fd, 8, stall))[0]
     if size > len(into):
         raise OSError(f"a {size}-byte message where {len(into)} bytes were room for it")
     view = into[:size]
     while view:
+        _wait_readable(fd, stall)
         got = os.readv(fd, [view])
         if got == 0:
             raise EOFError("the lane closed in the middle of a batch")
@@ -176,14 +180,20 @@ def recv_bytes_into(conn: Connection, into: memoryview) -> int:
     return size
 
 
-def _read_exactly(fd: int, n: int) -> bytes:
+def _read_exactly(fd: int, n: int, stall: float) -> bytes:
     data = b""
     while len(data) < n:
+        _wait_readable(fd, stall)
         chunk = os.read(fd, n - len(data))
         if not chunk:
             raise EOFError("the lane closed")
         data += chunk
     return data
+
+
+def _wait_readable(fd: int, stall: float) -> None:
+    if not select.select([fd], [], [], stall)[0]:
+        raise TimeoutError(f"no byte of a batch for {stall:g} s on its actor's lane")
 
 
 class Lanes:

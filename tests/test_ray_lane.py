@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -91,10 +92,19 @@ def test_an_actor_whose_memory_does_not_map_here_gets_a_copy_lane(lanes: Lanes) 
     assert recv_bytes_into(taken.conn, memoryview(into)[16:]) == len(blob)
     assert into[16:] == blob
     sender.join()
-    # And what no slot has room for is refused, not written past the slot.
+    # What no slot has room for is refused, not written past the slot.
     lane.conn.send_bytes(b"x" * 100)
     with pytest.raises(OSError, match="100-byte message where 10 bytes"):
         recv_bytes_into(taken.conn, memoryview(bytearray(10)))
+    # (Either error gives the lane up: what follows on it is not read again.) A batch that
+    # stops coming is an error after the stall bound, not a wait for good.
+    lane, taken = attach(lanes.address, 8, probe), lanes.take(8)
+    assert lane is not None and taken is not None
+    lane.conn._send(struct.pack("!i", 1000) + b"x" * 10)  # type: ignore[attr-defined]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no byte of a batch for 0\.5 s"):
+        recv_bytes_into(taken.conn, memoryview(bytearray(1000)), stall=0.5)
+    assert time.monotonic() - started < 2
 
 
 def test_an_actor_that_cannot_reach_the_unix_listener_attaches_over_tcp() -> None:
