@@ -84,7 +84,14 @@ from remote_loader.server.ray_bridge import (
     StartFailed,
     bridge_main,
 )
-from remote_loader.server.ray_lane import Lane, Lanes, SlotRef, open_slot, recv_bytes_into
+from remote_loader.server.ray_lane import (
+    Lane,
+    Lanes,
+    SlotRef,
+    open_slot,
+    recv_bytes_into,
+    recv_message,
+)
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -338,7 +345,7 @@ class RayBackend:
         actor = self._actors[worker_id]
         while actor.lane is not None and actor.lane.conn is conn and conn.poll():
             try:
-                result = conn.recv()
+                result = recv_message(conn)  # never waits on a stalled actor for good
                 ref = result.new_buffer
                 if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import hmac
 import os
+import pickle
 import secrets
 import select
 import socket
@@ -178,6 +179,16 @@ def recv_bytes_into(conn: Connection, into: memoryview, stall: float = BATCH_STA
             raise EOFError("the lane closed in the middle of a batch")
         view = view[got:]
     return size
+
+
+def recv_message(conn: Connection, stall: float = BATCH_STALL) -> Any:
+    """One object the peer sent with `send` (a Result), as Connection.recv reads it, but
+    TimeoutError when no byte came for `stall` seconds: the pool's thread reads it."""
+    fd = conn.fileno()
+    size: int = struct.unpack("!i", _read_exactly(fd, 4, stall))[0]
+    if size < 0:
+        raise OSError("a result of 2 GiB or more on a lane: not one of ours")
+    return pickle.loads(_read_exactly(fd, size, stall))
 
 
 def _read_exactly(fd: int, n: int, stall: float) -> bytes:

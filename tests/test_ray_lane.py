@@ -29,6 +29,7 @@ from remote_loader.server.ray_lane import (
     attach,
     open_slot,
     recv_bytes_into,
+    recv_message,
     share,
 )
 
@@ -104,6 +105,14 @@ def test_an_actor_whose_memory_does_not_map_here_gets_a_copy_lane(lanes: Lanes) 
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"no byte of a batch for 0\.5 s"):
         recv_bytes_into(taken.conn, memoryview(bytearray(1000)), stall=0.5)
+    # The same for a result cut off mid-message; a whole one reads as Connection.recv would.
+    lane, taken = attach(lanes.address, 9, probe), lanes.take(9)
+    assert lane is not None and taken is not None
+    lane.conn.send(("result", 9))
+    assert recv_message(taken.conn) == ("result", 9)
+    lane.conn._send(struct.pack("!i", 1000) + b"x")  # type: ignore[attr-defined]
+    with pytest.raises(TimeoutError):
+        recv_message(taken.conn, stall=0.5)
     assert time.monotonic() - started < 2
 
 
