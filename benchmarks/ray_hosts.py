@@ -14,16 +14,20 @@ namespace per host, each with one veth end and an address of 10.213.77.0/24:
 
 Every Ray process also runs in a PID namespace of its own (`unshare --pid --fork --kill-child
 --mount-proc`), as on separate hosts: the server cannot map an actor's memory through /proc, so
-each actor attaches a COPY lane to the server's TCP listener (NOTE [ Ray direct lane ] in
-server/ray_lane.py). `--through-store` sets ray_direct = false: the batches go through Ray's
-object store and the bridge. Nothing here uses an address outside these namespaces; `close`
-kills what runs in them and deletes them and the bridge, also on Ctrl-C.
+each actor attaches a KEEP lane to the server's TCP listener and the trainer fetches each batch
+from the node that made it (NOTE [ Node data connection ] in protos/node.py).
+`--through-server` sets ray_node_fetch = false: COPY lanes, every batch sent to the server on
+its actor's lane (NOTE [ Ray direct lane ] in server/ray_lane.py); `--through-store` sets
+ray_direct = false: the batches go through Ray's object store and the bridge. Nothing here uses
+an address outside these namespaces; `close` kills what runs in them and deletes them and the
+bridge, also on Ctrl-C.
 
 Printed per node count: batches/s of the epoch, whether the batches equal a local torch
 DataLoader's, and the bytes that crossed the coordinator's interface (`ip -s link`, received
-and sent) per byte of encoded batch the trainer got: each batch comes in from the node that
-made it and goes out to the trainer, so about 1.0 and 1.0 today (trainers fetching from the
-node that made the batch would make both nearly 0: not built, NOTE [ Ray data path ]).
+and sent) per byte of encoded batch the trainer got: through the server each batch comes in
+from the node that made it and goes out to the trainer (about 1.0 and 1.0); fetched from the
+nodes, only the Frames and the server's own control traffic cross it. `node` is the share of
+the trainer's bytes it fetched from nodes (RemoteLoader.stats().node_bytes).
 """
 
 from __future__ import annotations
@@ -215,6 +219,7 @@ def serve(
 [server]
 ray_address = "{ray_address}"
 ray_direct = {"false" if args.through_store else "true"}
+ray_node_fetch = {"false" if args.through_server else "true"}
 [loaders.images]
 dataset = "benchmarks.workloads:Images"
 dataset_kwargs = {{ n = {args.batches * args.batch_size} }}
@@ -288,7 +293,8 @@ def measure(hosts: Hosts, args: argparse.Namespace, nodes: int, env: dict[str, s
     return (
         f"{nodes:>5} {len(got) / seconds:>8.1f} {stats.bytes / seconds / 1e6:>8.1f} "
         f"{'yes' if same(got, expected(args)) else 'NO':>7} "
-        f"{(rx1 - rx0) / batch_bytes:>8.3f} {(tx1 - tx0) / batch_bytes:>8.3f}   {lanes}"
+        f"{(rx1 - rx0) / batch_bytes:>8.4f} {(tx1 - tx0) / batch_bytes:>8.4f} "
+        f"{stats.node_bytes / max(1, stats.bytes):>6.3f}   {lanes}"
     )
 
 
@@ -298,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--nodes", default="1,2")
     parser.add_argument("--through-store", action="store_true")
+    parser.add_argument("--through-server", action="store_true")
     args = parser.parse_args(argv)
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
@@ -306,11 +313,18 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; images, "
         f"{args.batches} batches of {args.batch_size}; server and Ray head in a namespace, "
         "worker nodes (2 CPUs, 2 actors each) in others, the trainer in the root one; "
-        + ("through Ray's object store" if args.through_store else "actors on direct lanes")
+        + (
+            "through Ray's object store"
+            if args.through_store
+            else "COPY lanes: through the server"
+            if args.through_server
+            else "KEEP lanes: the trainer fetches from the nodes"
+        )
     )
     print(
-        f"{'nodes':>5} {'b/s':>8} {'MB/s':>8} {'torch':>7} {'coord in':>8} {'out':>8}   "
-        "(bytes through the coordinator's interface per batch byte)"
+        f"{'nodes':>5} {'b/s':>8} {'MB/s':>8} {'torch':>7} {'coord in':>8} {'out':>8} "
+        f"{'node':>6}   (coord: bytes through the coordinator's interface per batch byte; "
+        "node: share of batch bytes fetched from the nodes)"
     )
     tmp = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
     hosts = Hosts()

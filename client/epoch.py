@@ -42,8 +42,11 @@ class LoaderStats:
     wait_fraction: float = 0.0  # wait_seconds / elapsed_seconds, in [0, 1]
     reconnects: int = 0  # broken streams resumed (see `retries`)
     # How the latest batch came: "shm" (same host, shared memory), "tcp" (the data connection),
-    # "grpc", or None before any.
+    # "node" (fetched from the Ray node that made it), "grpc", or None before any.
     transport: str | None = None
+    # Of `bytes`, those fetched from the nodes that made them rather than through the server
+    # (NOTE [ Node data connection ]): bytes - node_bytes crossed the server's host.
+    node_bytes: int = 0
 
 
 class EpochIterator(Iterator[Any]):
@@ -77,6 +80,7 @@ class EpochIterator(Iterator[Any]):
         self._waited = 0.0
         self._received = 0
         self._received_bytes = 0
+        self._node_bytes = 0  # of them, fetched from nodes (transport "node")
         self._ended_at: float | None = None
 
     def __len__(self) -> int:
@@ -110,6 +114,8 @@ class EpochIterator(Iterator[Any]):
         if isinstance(item, Ready):
             self._received += 1
             self._received_bytes += item.nbytes
+            if item.transport == "node":
+                self._node_bytes += item.nbytes
             # The receiver may already be batches ahead, on another transport (a batch larger
             # than the ring goes as frames): this is the one the training loop now gets.
             self.transport = item.transport
@@ -129,6 +135,7 @@ class EpochIterator(Iterator[Any]):
             epoch=self.epoch,
             batches=self._received,
             bytes=self._received_bytes,
+            node_bytes=self._node_bytes,
             wait_seconds=self._waited,
             elapsed_seconds=elapsed,
             wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,

@@ -66,7 +66,7 @@ class Ready:
     device_payload: torch.Tensor | None = None
     event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
     nbytes: int = 0  # the encoded batch's size (header and tensor data), for stats()
-    transport: str = "grpc"  # how it arrived: "shm", "tcp" or "grpc"
+    transport: str = "grpc"  # how it arrived: "shm", "tcp", "node" or "grpc"
 
 
 @dataclasses.dataclass

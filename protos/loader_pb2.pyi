@@ -88,7 +88,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "direct")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class StreamRequest(_message.Message):
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -111,7 +112,8 @@ class StreamRequest(_message.Message):
     reshard: Reshard
     compression: str
     data_connections: int
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ...) -> None: ...
+    direct: bool
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class Reshard(_message.Message):
     __slots__ = ("world_size", "consumed", "origin")
@@ -134,6 +136,32 @@ class ShmOffer(_message.Message):
     pid: int
     probe_fd: int
     def __init__(self, probe: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., probe_fd: _Optional[int] = ...) -> None: ...
+
+class NodeChannel(_message.Message):
+    __slots__ = ("host", "port", "ticket", "connections")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    ticket: bytes
+    connections: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., connections: _Optional[int] = ...) -> None: ...
+
+class NodeBatch(_message.Message):
+    __slots__ = ("host", "port", "slot", "generation", "offset")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    slot: int
+    generation: int
+    offset: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class TcpChannel(_message.Message):
     __slots__ = ("port", "ticket", "more_tickets")
@@ -192,7 +220,7 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "data")
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "node_channel", "node", "data")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +231,8 @@ class Frame(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     TCP_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ON_TCP_FIELD_NUMBER: _ClassVar[int]
+    NODE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     batch: int
     part: int
@@ -214,8 +244,10 @@ class Frame(_message.Message):
     shm: ShmBatch
     tcp_channel: TcpChannel
     on_tcp: bool
+    node_channel: NodeChannel
+    node: NodeBatch
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., node_channel: _Optional[_Union[NodeChannel, _Mapping]] = ..., node: _Optional[_Union[NodeBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")

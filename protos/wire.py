@@ -118,9 +118,11 @@ def handle_frame(
     *,
     shm: loader_pb2.ShmBatch | None = None,
     on_tcp: bool = False,
+    node: loader_pb2.NodeBatch | None = None,
 ) -> bytes:
     """The one Frame of a batch whose bytes travel outside gRPC: in a shared-memory ring
-    (`shm` says where) or on the stream's data connection (`on_tcp`)."""
+    (`shm` says where), on the stream's data connection (`on_tcp`) or on the node that made it
+    (`node`)."""
     return control_frame(
         loader_pb2.Frame(
             batch=batch,
@@ -130,6 +132,7 @@ def handle_frame(
             header_bytes=header_nbytes,
             shm=shm,
             on_tcp=on_tcp,
+            node=node,
         )
     )
 

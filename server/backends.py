@@ -60,6 +60,7 @@ def make_pool(
     metrics: LoaderMetrics,
     ray_address: str | None = None,
     ray_direct: bool = True,
+    ray_node_fetch: bool = False,
 ) -> Pool:
     """A pool of the spec's backend (`pool`; not started)."""
     from remote_loader.server.pool import WorkerPool
@@ -77,6 +78,8 @@ def make_pool(
             address=ray_address,
             max_batch_bytes=max_batch_bytes,
             direct=ray_direct,
+            node_fetch=ray_node_fetch,
+            record=metrics.remote_bytes,
         )
     else:
         from remote_loader.server.pool_local import ProcessBackend

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from remote_loader.server.lease import SlotLease
+from remote_loader.server.remote import RemoteBatch
 from remote_loader.server.worker import RemoteError
 
 # How long one engine poll blocks (the pool: on its result pipes) before it checks whether the
@@ -82,6 +83,9 @@ class Delivery:
     # The worker's slot holding `blob`, when a same-host client may map it (None: in this
     # process's memory, or a slot without a descriptor).
     slot: SlotRef | None = None
+    # The batch lies on the node that made it, `blob` being only room for it here until a
+    # sender reads it (NOTE [ Node data connection ] in protos/node.py).
+    remote: RemoteBatch | None = None
     # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
     # the queue and latency metrics).
     submitted_at: float = 0.0

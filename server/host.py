@@ -90,6 +90,7 @@ class LoaderHost:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         ray_address: str | None = None,
         ray_direct: bool = True,
+        ray_node_fetch: bool = False,
         metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
         kept: KeptPools | None = None,
     ) -> None:
@@ -115,6 +116,7 @@ class LoaderHost:
         self._cond = threading.Condition()
         self._ray_address = ray_address
         self._ray_direct = ray_direct
+        self._ray_node_fetch = ray_node_fetch
         # The last pool started (for Describe): its backend, nodes and workers.
         self.pool_info: dict[str, int | str] = {}
         self._persistent: Pool | None = None
@@ -210,6 +212,7 @@ class LoaderHost:
             metrics=self.metrics,
             ray_address=self._ray_address,
             ray_direct=self._ray_direct,
+            ray_node_fetch=self._ray_node_fetch,
         )
         if pool.kept_between_epochs:
             self._kept.make_room(self.spec.name)  # others' idle pools hold cluster CPUs

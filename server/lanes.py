@@ -45,7 +45,13 @@ class Entry:
         self._outgoing = (
             None
             if delivery.blob is None
-            else Outgoing(delivery.blob, delivery.header_nbytes, delivery.slot, delivery.lease)
+            else Outgoing(
+                delivery.blob,
+                delivery.header_nbytes,
+                delivery.slot,
+                delivery.lease,
+                delivery.remote,
+            )
         )
 
     @property

@@ -94,6 +94,16 @@ class LoaderMetrics:
             CONSUMER_LABELS,
             registry=None,
         )
+        self._remote_bytes = Counter(
+            "remote_loader_remote_batch_bytes",
+            "Encoded bytes of batches made on other hosts (Ray actors on COPY or KEEP lanes), by "
+            'the path they took to trainers: "server" (through this server, which received '
+            'them) or "node" (fetched by the trainer from the node that made them: NOTE [ Node '
+            "data connection ] in protos/node.py). server / (server + node) is the share of "
+            "batch bytes that crossed this host.",
+            ("loader", "path"),
+            registry=None,
+        )
         self._restarts = Counter(
             "remote_loader_worker_restarts",
             "Worker processes replaced after they died or were stopped for the loader's timeout.",
@@ -189,6 +199,7 @@ class LoaderMetrics:
             self.batches_served,
             self.bytes_served,
             self.batch_errors,
+            self._remote_bytes,
             self._restarts,
             self._pool_nodes,
             self._pool_workers,
@@ -201,6 +212,11 @@ class LoaderMetrics:
             self._stream_wait,
             self._send,
         )
+
+    def remote_bytes(self, path: str, nbytes: int) -> None:
+        """`nbytes` of a batch made on another host reached a trainer by `path` ("server",
+        "node"): remote_loader_remote_batch_bytes."""
+        self._remote_bytes.labels(self.loader, path).inc(nbytes)
 
     def configured(self, workers: int, prefetch: int | None) -> None:
         """The loader starts with `workers` workers (0: in the server process), each with

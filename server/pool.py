@@ -340,7 +340,9 @@ class WorkerPool:
             Delivery(
                 blob=blob,
                 header_nbytes=result.header_nbytes,
-                slot=slot.ref(result.offset, result.generation),
+                # A batch on its node: `blob` is room for it here, not it, until fetched.
+                slot=slot.ref(result.offset, result.generation) if result.remote is None else None,
+                remote=result.remote,
                 lease=SlotLease(
                     functools.partial(self._slots.release, result.incarnation, result.slot),
                     mapping=blob,

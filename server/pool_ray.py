@@ -15,29 +15,31 @@ server/ray_lane.py), so that its tasks and results bypass Ray's calls and object
   slots of its own, which the server maps once and streams from (or a same-host trainer reads
   in place), exactly as a worker process's. That took the Ray pool from 0.14-0.18x to 0.96-1.08x
   the local pool on 2.4 and 9.6 MB image batches on one host (benchmarks/RESULTS.md);
-- elsewhere (another host reaching the server's TCP listener, a container, another pid
-  namespace), a COPY lane: each batch follows its Result on the lane and is received straight
-  into a slot of the server's (one kernel copy on each side). Measured with a node in a PID
-  namespace of its own on the same host: 0.72x and 0.53x the local pool on 2.4 and 9.6 MB
-  batches, where Ray's object store gave 0.16x and 0.19x.
+- elsewhere (another host reaching the server's TCP listener, a container, another pid namespace),
+  with `ray_node_fetch = true` (not under TLS), a KEEP lane: the actor keeps each batch in a slot
+  of its own and serves it from a data server on its node; the server names the batch there in the
+  Frame (node, slot, generation, sizes), as it names slot positions for shared memory, and the
+  trainer fetches the bytes from the node (NOTE [ Node data connection ] in protos/node.py). The
+  server keeps what it decides by positions (sampling, order, sharing, exactly-once, resume); a
+  batch's slot is the actor's again once its trainer has fetched it. A trainer that cannot reach
+  the node gets that node's batches through the server, per batch, which then fetches them itself;
+- elsewhere otherwise (the default, and always under TLS: the node connections are not encrypted),
+  a COPY lane: each batch follows its Result on the lane and is received straight into a slot of
+  the server's (one kernel copy on each side). Measured with a node in a PID namespace of its own
+  on the same host: 0.72x and 0.53x the local pool on 2.4 and 9.6 MB batches, where Ray's object
+  store gave 0.16x and 0.19x.
 
 An actor that reaches neither listener (a firewall), or every actor of a server with
 `ray_direct = false`, encodes each batch into a numpy array, which Ray puts in its node's object
 store; the bridge reads it, over the network when the actor is elsewhere, and copies it into
 one of its own slots.
 
-Either way every byte of a batch made on another host crosses the server host's link once
-inbound and once outbound to the trainers: at scale the coordinator's NIC, not the workers,
-bounds throughput (bytes per batch through the coordinator = the encoded batch,
-`remote_loader_batch_bytes`). The next step is for trainers to fetch a batch from the node
-that made it: the server would send only (node address, slot, size) in the Frame, as it sends
-slot positions for shared memory today, the actor (or one data server per node) would serve the
-bytes on data connections of protos/tcp.py's kind with tickets the server issues, and its slot
-would be released when the trainer has read it, as a lease ends today. The COPY lane is that
-design's control channel already: it carries the tasks, results and releases; what is missing
-is the trainer's side (a Frame naming a node, connections per node) and the fallback through
-the coordinator per batch. Ordering, exactly-once and resume stay the coordinator's, since they
-are decided by positions, never by the bytes.
+Through the server (COPY lanes, the object store, a trainer that cannot reach a node), every
+byte of a batch made on another host crosses the server host's link once inbound and once
+outbound to the trainers: at scale its NIC, not the workers, bounds throughput. Fetched from
+the nodes, only the Frames do (tens of bytes a batch). remote_loader_remote_batch_bytes counts
+both paths' bytes, and `RemoteLoader.stats().node_bytes` a trainer's share fetched from nodes;
+benchmarks/ray_hosts.py measures the server's interface.
 
 NOTE [ Ray pool reuse ]
 
@@ -62,10 +64,13 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
+from remote_loader.protos import node as node_protocol
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.collating import WorkerSlots
 from remote_loader.server.engine import WorkerDiedError, WorkerInitError
@@ -88,10 +93,12 @@ from remote_loader.server.ray_lane import (
     Lane,
     Lanes,
     SlotRef,
+    SlotSize,
     open_slot,
     recv_bytes_into,
     recv_message,
 )
+from remote_loader.server.remote import NodeDirectory
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -166,6 +173,8 @@ class RayBackend:
         address: str | None,
         max_batch_bytes: int,
         direct: bool = True,
+        node_fetch: bool = False,
+        record: Callable[[str, int], None] = lambda path, nbytes: None,
     ) -> None:
         self.spec = spec
         self.batching = batching
@@ -180,6 +189,11 @@ class RayBackend:
         self._placed = 0  # actors the bridge placed at start: incarnations 0..placed-1
         # Lanes of this host's actors (`direct`, the server's ray_direct setting).
         self._direct = direct
+        # Actors of other hosts keep their batches for trainers to fetch (KEEP lanes, NOTE
+        # [ Node data connection ] in protos/node.py): the server's ray_node_fetch setting.
+        self._node_fetch = node_fetch
+        self._record = record  # bytes of batches made elsewhere, by path ("server", "node")
+        self._directory: NodeDirectory | None = None
         self._lanes: Lanes | None = None
         self._attached: tuple[bool, ...] = ()  # of the actors placed at start
         # Per worker id: what this side knows of its actor.
@@ -204,12 +218,23 @@ class RayBackend:
 
     def describe(self) -> dict[str, int | str]:
         # `direct`: the actors whose batches come on a lane (NOTE [ Ray direct lane ]).
-        return {"backend": "ray", "nodes": self.nodes, "direct": self.direct, "copied": self.copied}
+        return {
+            "backend": "ray",
+            "nodes": self.nodes,
+            "direct": self.direct,
+            "copied": self.copied,
+            "kept": self.kept,
+        }
 
     @property
     def direct(self) -> int:
         """Actors whose batches come on a direct lane (NOTE [ Ray direct lane ])."""
         return sum(a.lane is not None for a in self._actors)
+
+    @property
+    def kept(self) -> int:
+        """... of them, those that keep their batches for trainers to fetch (KEEP)."""
+        return sum(a.lane is not None and a.lane.keep for a in self._actors)
 
     @property
     def copied(self) -> int:
@@ -223,7 +248,10 @@ class RayBackend:
         commands_reader, self._commands = self._ctx.Pipe(duplex=False)
         self._results, results_writer = self._ctx.Pipe(duplex=False)
         if self._direct:
-            self._lanes = Lanes(lane_host(self.address))
+            self._lanes = Lanes(lane_host(self.address), keep=self._node_fetch)
+            if self._node_fetch:
+                key = node_protocol.node_key(self._lanes.address.secret)
+                self._directory = NodeDirectory(key, self._record)
         cfg = BridgeConfig(
             self.spec,
             self.batching,
@@ -351,6 +379,9 @@ class RayBackend:
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))
                 elif actor.copies is not None and result.total_nbytes:
                     result = self._copied(actor.copies, conn, result)
+                    self._record("server", result.total_nbytes)
+                elif result.node is not None:
+                    result = self._kept_on_node(worker_id, result)
             except TimeoutError as exc:
                 # Stalled mid-batch (a stopped process, a partitioned node): it is stopped, so
                 # that it does not hold its CPUs beside its replacement.
@@ -362,6 +393,24 @@ class RayBackend:
                 return
             actor.unanswered.pop(result.task_id, None)
             yield result
+
+    def _kept_on_node(self, worker_id: int, result: Result) -> Result:
+        """A KEEP lane's Result: its batch stays in the actor's slot; the pool gets room for it
+        here (a buffer as large as each new slot) and its handle (NOTE [ Node data
+        connection ] in protos/node.py)."""
+        assert self._directory is not None and result.node is not None
+        if isinstance(result.new_buffer, SlotSize):
+            # Shared from the start: the pool's slot table shares it (server/slots.py), which
+            # would move a private tensor's memory from under the views taken before.
+            room = torch.empty(result.new_buffer.size, dtype=torch.uint8).share_memory_()
+            result = dataclasses.replace(result, new_buffer=room)
+        if result.total_nbytes:
+            host, port = result.node
+            kept = self._directory.kept(
+                (host, port), result.slot, result.generation, result.offset, result.total_nbytes
+            )
+            result = dataclasses.replace(result, remote=kept)
+        return result
 
     @staticmethod
     def _copied(slots: WorkerSlots, conn: Connection, result: Result) -> Result:
@@ -490,3 +539,6 @@ class RayBackend:
         if self._lanes is not None:
             self._lanes.close()
             self._lanes = None
+        if self._directory is not None:
+            self._directory.close()
+            self._directory = None

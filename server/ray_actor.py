@@ -27,7 +27,8 @@ import torch
 
 from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import WorkerSlots, use_collate_buffers
-from remote_loader.server.ray_lane import Lane, LaneAddress, Probe, attach, share
+from remote_loader.server.ray_lane import Lane, LaneAddress, Probe, SlotSize, attach, share
+from remote_loader.server.ray_node import NodeServer
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
@@ -130,54 +131,77 @@ class RayWorker:
         """The lane's thread: EpochStart and Task in, a Result per Task out, as a worker
         process's loop (server/worker.py), into slots of the actor's own: the server maps them
         (SLOTS), or each batch follows its Result on the lane (COPY), its slot free again once
-        sent. Ends when the server closes the lane."""
+        sent, or the batch stays in its slot for trainers to fetch from this node's data server
+        until the server releases it (KEEP, NOTE [ Node data connection ] in protos/node.py).
+        Ends when the server closes the lane."""
         slots = WorkerSlots()
         conn = lane.conn
+        data = None
+        if lane.keep:
+            import ray
+
+            # The address Ray knows its node by (its --node-ip-address): trainers reach the
+            # node there, as the cluster's other nodes do.
+            node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            data = NodeServer(node_ip, lane.key, slots)
         with conn:
-            while True:
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    return
-                if message is None:
-                    return
-                if isinstance(message, EpochStart):
-                    self.begin_epoch(
-                        message.epoch_key, message.base_seed, message.compression, self.fresh
-                    )
-                    continue
-                slots.release(message.released)
-                started = time.monotonic()
-                try:
-                    fields = fill_slot(
-                        self.state, slots, message.indices, message.seed, self.max_batch_bytes
-                    )
-                except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
-                    fields = {"error": RemoteError.capture(self.state.where, exc)}
-                blob = None
-                if lane.copy and "slot" in fields:
-                    # The server has none of this actor's slots: the bytes go on the lane.
-                    slot, start = fields.pop("slot"), fields.pop("offset")
-                    blob = slots.view(slot)[start : start + fields["total_nbytes"]]
-                    del fields["new_buffer"], fields["dropped"], fields["generation"]
-                elif fields.get("new_buffer") is not None:
-                    fields["new_buffer"] = share(fields["new_buffer"])  # the server maps it
-                result = Result(
-                    self.worker_id,
-                    message.epoch_key,
-                    message.task_id,
-                    incarnation=self.incarnation,
-                    started_at=started,
-                    finished_at=time.monotonic(),
-                    **fields,
+            try:
+                self._lane_loop(lane, slots, data)
+            finally:
+                if data is not None:
+                    data.close()
+
+    def _lane_loop(self, lane: Lane, slots: WorkerSlots, data: NodeServer | None) -> None:
+        conn = lane.conn
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            if isinstance(message, EpochStart):
+                self.begin_epoch(
+                    message.epoch_key, message.base_seed, message.compression, self.fresh
                 )
-                try:
-                    conn.send(result)
-                    if blob is not None:
-                        conn.send_bytes(blob)
-                except OSError:
-                    return
+                continue
+            slots.release(message.released)
+            started = time.monotonic()
+            try:
+                fields = fill_slot(
+                    self.state, slots, message.indices, message.seed, self.max_batch_bytes
+                )
+            except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
+                fields = {"error": RemoteError.capture(self.state.where, exc)}
+            blob = None
+            if lane.copy and "slot" in fields:
+                # The server has none of this actor's slots: the bytes go on the lane.
+                slot, start = fields.pop("slot"), fields.pop("offset")
+                blob = slots.view(slot)[start : start + fields["total_nbytes"]]
+                del fields["new_buffer"], fields["dropped"], fields["generation"]
+            elif data is not None and "slot" in fields:
+                # The batch stays here: the Result says where it is to be fetched.
+                fields["node"] = data.address
+                if fields["new_buffer"] is not None:
+                    fields["new_buffer"] = SlotSize(fields["new_buffer"].numel())
+            elif fields.get("new_buffer") is not None:
+                fields["new_buffer"] = share(fields["new_buffer"])  # the server maps it
+            result = Result(
+                self.worker_id,
+                message.epoch_key,
+                message.task_id,
+                incarnation=self.incarnation,
+                started_at=started,
+                finished_at=time.monotonic(),
+                **fields,
+            )
+            try:
+                conn.send(result)
                 if blob is not None:
-                    del blob
-                    slots.release((slot,))
-                del result, fields
+                    conn.send_bytes(blob)
+            except OSError:
+                return
+            if blob is not None:
+                del blob
+                slots.release((slot,))
+            del result, fields

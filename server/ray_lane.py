@@ -15,9 +15,12 @@ gave its bridge) and offers a probe of its shared memory. The server answers whi
   in it (this host, the same pid namespace and user, not a process of the same pid elsewhere):
   the actor's batches lie in slots of its own that the server maps once, exactly as a worker
   process's, and each Result names one;
-- COPY, otherwise (another host, container or pid namespace): each Result is followed on the
-  lane by the encoded batch, which the server receives straight into a slot of its own for
-  the actor (one kernel copy; no object store, no bridge).
+- KEEP, otherwise (another host, container or pid namespace), where the server was told to
+  (`ray_node_fetch`): the batch stays in the actor's slot, for trainers to fetch from its
+  node (NOTE [ Node data connection ] in protos/node.py); its Result names the node;
+- COPY, where KEEP is off: each Result is followed on the lane by the encoded batch, which the
+  server receives straight into a slot of its own for the actor (one kernel copy; no object
+  store, no bridge).
 
 Either way the actor's EpochStarts and Tasks go down the lane and its Results come up it; Ray
 still places, starts, supervises and kills the actor, and a lane that closes is the actor's
@@ -46,6 +49,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from remote_loader.protos import node
 
 # How long an accepted connection may take to say hello, and how long the server waits for the
 # hello of an actor that said it attached.
@@ -97,16 +102,30 @@ class LaneAddress:
     secret: bytes
 
 
-# The server's answer to a hello that checked out: the lane's kind.
-SLOTS, COPY = b"S", b"C"
+# The server's answer to a hello that checked out: the lane's kind. KEEP: as COPY, but the
+# actor keeps each batch in its slot and serves it to whoever the server names it to (NOTE
+# [ Node data connection ] in protos/node.py).
+SLOTS, COPY, KEEP = b"S", b"C", b"K"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSize:
+    """A new slot of a KEEP lane's actor, which the server cannot map: its size (the server
+    keeps a buffer as large, to receive the batch into when it sends one itself)."""
+
+    size: int
 
 
 @dataclasses.dataclass
 class Lane:
-    """A taken lane: its connection, and whether batches come on it as bytes (COPY)."""
+    """A taken lane: its connection, whether batches come on it as bytes (COPY), and whether
+    they stay on the actor's node instead (KEEP)."""
 
     conn: Connection
     copy: bool
+    keep: bool = False
+    # KEEP: the key trainers' tickets are checked with (protos/node.py), on the actor's side.
+    key: bytes = b""
 
 
 class Probe:
@@ -152,8 +171,9 @@ def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Lane | None:
         conn.send_bytes(hello)
         if conn.poll(HELLO_TIMEOUT):
             verdict = conn.recv_bytes(1)
-            if verdict in (SLOTS, COPY):
-                return Lane(conn, copy=verdict == COPY)
+            if verdict in (SLOTS, COPY, KEEP):
+                key = node.node_key(lane.secret) if verdict == KEEP else b""
+                return Lane(conn, copy=verdict == COPY, keep=verdict == KEEP, key=key)
     except (OSError, EOFError):
         pass
     conn.close()
@@ -210,9 +230,11 @@ def _wait_readable(fd: int, stall: float) -> None:
 class Lanes:
     """The server's side: its listeners, and the lanes of actors whose hello checked out, by
     incarnation, until the pool takes them. `tcp_host`: the address to listen on for actors
-    of other hosts (None: Unix only)."""
+    of other hosts (None: Unix only). `keep`: actors whose memory does not map here keep their
+    batches for trainers to fetch (KEEP lanes) rather than send them (COPY)."""
 
-    def __init__(self, tcp_host: str | None = None) -> None:
+    def __init__(self, tcp_host: str | None = None, keep: bool = False) -> None:
+        self._keep = keep
         self._listeners = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)]
         path = f"\0remote-loader-{os.getpid()}-{secrets.token_hex(8)}"
         self._listeners[0].bind(path)
@@ -249,7 +271,7 @@ class Lanes:
         try:
             incarnation, mappable = self._hello(conn)
             if incarnation is not None:
-                conn.send_bytes(SLOTS if mappable else COPY)
+                conn.send_bytes(SLOTS if mappable else KEEP if self._keep else COPY)
         except (OSError, EOFError, ValueError):
             incarnation = None
         if incarnation is None:
@@ -257,7 +279,8 @@ class Lanes:
             return
         with self._cond:
             old = self._ready.pop(incarnation, None)
-            self._ready[incarnation] = Lane(conn, copy=not mappable)
+            keep = self._keep and not mappable
+            self._ready[incarnation] = Lane(conn, copy=not mappable and not keep, keep=keep)
             self._cond.notify_all()
         if old is not None:
             old.conn.close()

@@ -79,6 +79,8 @@ class Server:
             max_batch_bytes=self.settings.max_batch_bytes,
             ray_address=self.settings.ray_address,
             ray_direct=self.settings.ray_direct,
+            # NOTE [ Node data connection ]: the node connections are not encrypted.
+            ray_node_fetch=self.settings.ray_node_fetch and self.settings.tls_cert is None,
             metrics_max_consumers=self.settings.metrics_max_consumers,
         )
         try:
@@ -273,6 +275,7 @@ def build_hosts(
     max_batch_bytes: int = ServerSettings.max_batch_bytes,
     ray_address: str | None = None,
     ray_direct: bool = ServerSettings.ray_direct,
+    ray_node_fetch: bool = ServerSettings.ray_node_fetch,
     metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
     """Builds and starts every loader (datasets, option checks, persistent workers)."""
@@ -287,6 +290,7 @@ def build_hosts(
                 max_batch_bytes=max_batch_bytes,
                 ray_address=ray_address,
                 ray_direct=ray_direct,
+                ray_node_fetch=ray_node_fetch,
                 metrics_max_consumers=metrics_max_consumers,
                 kept=kept,
             )

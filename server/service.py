@@ -20,6 +20,7 @@ import grpc
 
 from remote_loader.protos import compression, reasons, shm, wire
 from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import tcp as tcp_protocol
 from remote_loader.server.admission import Admission, StreamSlot
 from remote_loader.server.elastic import Reshard
 from remote_loader.server.errors import (
@@ -47,6 +48,7 @@ from remote_loader.server.transports import (
     negotiate,
 )
 from remote_loader.server.transports.base import error_frame
+from remote_loader.server.transports.node import NodeSender
 from remote_loader.server.validation import (
     Undecodable,
     check_epoch,
@@ -279,6 +281,10 @@ class LoaderService:
                 if connected is None:
                     return
                 sender = connected
+            if request.direct and not shared:
+                # NOTE [ Node data connection ]: a batch made on another host is named there
+                # once this trainer has reached that node.
+                sender = NodeSender(sender, _node_connections(request))
             consumer = host.attach(
                 membership, seed, request.epoch, start, reshard, _compression(request)
             )
@@ -338,6 +344,13 @@ class _Progress:
     batches: int  # the position of the next batch in this consumer's epoch
     nbytes: int = 0  # encoded bytes sent
     completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
+
+
+def _node_connections(request: pb.StreamRequest) -> int:
+    """How many connections the stream makes to each node: as many as it asked for data
+    connections (none: the default), at most the cap."""
+    asked = request.data_connections or tcp_protocol.DEFAULT_DATA_CONNECTIONS
+    return min(asked, tcp_protocol.MAX_DATA_CONNECTIONS)
 
 
 def _send_epoch(

@@ -95,6 +95,11 @@ class ServerSettings:
     # batches as bytes on a socket from elsewhere (NOTE [ Ray direct lane ] in
     # server/ray_lane.py); false: every batch through Ray's calls and object store.
     ray_direct: bool = True
+    # With ray_direct: trainers fetch a batch made on another host from that node (NOTE
+    # [ Node data connection ] in protos/node.py); false: through this server. Off by default
+    # (an actor lost with batches no trainer has fetched yet breaks their streams: the NOTE),
+    # and ignored under TLS (the node connections are not encrypted).
+    ray_node_fetch: bool = False
     # The token itself, from REMOTE_LOADER_TOKEN only (ENV_ONLY); never shown.
     token: str | None = dataclasses.field(default=None, repr=False)
 
@@ -242,6 +247,7 @@ _TYPES: dict[str, type] = {
     "reflection": bool,
     "ray_address": str,
     "ray_direct": bool,
+    "ray_node_fetch": bool,
     "token": str,
 }
 

@@ -6,7 +6,8 @@ Both backends run on one pool core (server/pool.py): these tests hold every back
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
 two nodes on 127.0.0.1, their batches in shared memory on direct lanes, "ray"; a node in a PID
 namespace of its own, as in a container, whose actors' batches come as bytes on their lanes,
-"ray-copy"; through Ray's object store, tests/test_ray.py). What only one backend has (the fork
+"ray-copy"; kept on their node for the trainer to fetch, tests/test_node_fetch.py; through
+Ray's object store, tests/test_ray.py). What only one backend has (the fork
 server, a removed Ray node, Ray's start-up errors) is tested beside it, in test_supervision.py
 and test_ray.py / test_ray_life.py; the lanes' handshake in test_ray_lane.py.
 """
@@ -103,9 +104,9 @@ def served(
         with Server(settings, contract_specs(request.param, log)) as server:
             # Each Ray actor's batches came the way the parameter says.
             info = [server.hosts[n].pool_info for n in ("crash", "slow")]
-            lanes = [(i.get("direct"), i.get("copied")) for i in info]
+            lanes = [(i.get("direct"), i.get("copied"), i.get("kept")) for i in info]
             if request.param != "local":
-                expected = {"ray": (2, 0), "ray-copy": (2, 2)}
+                expected = {"ray": (2, 0, 0), "ray-copy": (2, 2, 0)}
                 assert lanes == [expected[request.param]] * 2, info
             yield server
             server.stop(0)

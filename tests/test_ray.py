@@ -210,7 +210,14 @@ def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
     with Server(ServerSettings(address=f"{LOOPBACK}:0"), [spec]) as server:
         # Its actors share this host: their batches come on direct lanes.
         info = server.hosts["here"].pool_info
-        assert info == {"backend": "ray", "nodes": 1, "workers": 2, "direct": 2, "copied": 0}
+        assert info == {
+            "backend": "ray",
+            "nodes": 1,
+            "workers": 2,
+            "direct": 2,
+            "copied": 0,
+            "kept": 0,
+        }
         assert_same(epoch_of(server.address, "here"), epoch_of_local("map"))
 
 

@@ -3,7 +3,9 @@
 - base.py: the `End` seam, `InbandEnd` (Frames inside the gRPC stream: always works, and every
   other transport's fallback) and `TransportUnusable`, how any end says "go on without me";
 - shm.py: the stream's ring in /dev/shm, for a client on the server's host (protos/shm.py);
-- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py).
+- tcp.py: data connections beside the gRPC stream, for a client on another host (protos/tcp.py);
+- node.py: batches fetched from the Ray node that made them (protos/node.py), beside any of the
+  above, which carries the rest.
 
 `Transports` is what a client offers each stream of an epoch, and remembers what it gave up on;
 `StreamEnds` is one stream's ends, which pick the end that carries each batch Frame, so the
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from remote_loader.client.errors import ProtocolError, TransportError
 from remote_loader.client.transports.base import BatchReused, End, InbandEnd, TransportUnusable
+from remote_loader.client.transports.node import NodeEnd
 from remote_loader.client.transports.shm import ShmEnd
 from remote_loader.client.transports.tcp import TcpEnd
 from remote_loader.protos import loader_pb2 as pb
@@ -32,6 +35,7 @@ __all__ = [
     "BatchReused",
     "End",
     "InbandEnd",
+    "NodeEnd",
     "ShmEnd",
     "StreamEnds",
     "TcpEnd",
@@ -145,6 +149,7 @@ class StreamEnds:
             server_name=options.server_name,
             required=options.required and tcp_host is not None,
         )
+        self._node = NodeEnd(what, stopped)
         self._carried = False  # a batch Frame arrived: too late to announce a data connection
 
     def offer(self, request: pb.StreamRequest) -> None:
@@ -154,6 +159,7 @@ class StreamEnds:
         if offer is not None:
             request.shm.CopyFrom(offer)
         request.tcp = self._tcp.asked
+        request.direct = True  # NOTE [ Node data connection ]: the server decides per batch
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
 
@@ -164,6 +170,9 @@ class StreamEnds:
     def control(self, meta: pb.Frame) -> bool:
         """Handles `meta` if it is a Frame for the transports (the data connections'
         announcement, before any batch) rather than a batch: True if it was."""
+        if meta.HasField("node_channel"):
+            self._node.connect(meta.node_channel)
+            return True
         if not meta.HasField("tcp_channel"):
             return False
         if self._carried:
@@ -188,6 +197,8 @@ class StreamEnds:
             return self._shm
         if meta.on_tcp:
             return self._tcp
+        if meta.HasField("node"):
+            return self._node
         if self._tcp.required and not self._tcp.connected:
             raise TransportError(
                 f'{self._what}: transport="tcp", but the server sends batch {meta.batch} inside '
@@ -207,7 +218,9 @@ class StreamEnds:
         ring or the data connections, that this client is alive all the same."""
         self._shm.beat()
         self._tcp.beat()
+        self._node.beat()
 
     def close(self) -> None:
         self._shm.close()
         self._tcp.close()
+        self._node.close()

@@ -1,0 +1,167 @@
+"""An actor's data server: trainers, and the server when it sends a batch itself, fetch the
+batches the actor keeps in its slots here (NOTE [ Node data connection ] in protos/node.py).
+
+Runs in the actor's process, beside its lane's thread, which fills the slots: a slot is read
+here only while the server holds its lease (the batch's stream has not fetched it yet), and the
+generation word is checked before and after each read, so a slot reused under a read (its
+stream gone) is never passed off as the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket
+import threading
+
+from remote_loader.protos import node, tcp
+from remote_loader.protos import slots as slot_protocol
+from remote_loader.server.collating import WorkerSlots
+
+log = logging.getLogger(__name__)
+
+
+class NodeServer:
+    """Listens on `host` (the node's address) for node data connections; tells the server's
+    watcher (protos/node.py: WATCH) which streams reached it and what it served them."""
+
+    def __init__(self, host: str, key: bytes, slots: WorkerSlots) -> None:
+        self._key = key
+        self._slots = slots
+        self._watcher: socket.socket | None = None
+        self._telling = threading.Lock()  # one event at a time on the watcher
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(64)
+        self.address = (host, int(self._listener.getsockname()[1]))
+        self._lock = threading.Lock()
+        # Open connections, oldest first (at most node.MAX_NODE_CONNECTIONS).
+        self._open: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
+        # Per stream: its connections that said HELLO (at most node.MAX_NONCES streams).
+        self._hellos: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        threading.Thread(target=self._accept, name="rl-node-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._open[sock] = None
+                while len(self._open) > node.MAX_NODE_CONNECTIONS:
+                    oldest, _ = self._open.popitem(last=False)
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread sees it and ends
+            threading.Thread(target=self._serve, args=(sock,), name="rl-node", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            nonce = self._greet(sock)
+            if nonce is not None:
+                while self._answer(sock, nonce):
+                    pass
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._open.pop(sock, None)
+            sock.close()
+
+    def _greet(self, sock: socket.socket) -> bytes | None:
+        """The nonce of a connection whose HELLO carries a ticket of this pool's; None (the
+        connection is closed without a word) for anything else."""
+        sock.settimeout(tcp.HANDSHAKE_TIMEOUT)
+        hello = _read(sock, tcp.HELLO_BYTES)
+        if hello is None or not hello.startswith(tcp.MAGIC):
+            return None
+        nonce = node.nonce_of(self._key, hello[len(tcp.MAGIC) :])
+        if nonce is None:
+            return None
+        tcp.tune(sock)
+        sock.settimeout(None)  # between batches a trainer's connection is quiet
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.sendall(node.OK)
+        with self._lock:
+            count = self._hellos.pop(nonce, 0) + 1
+            self._hellos[nonce] = count
+            while len(self._hellos) > node.MAX_NONCES:
+                self._hellos.popitem(last=False)
+        if count == node.connections_of(nonce):
+            self._tell(node.REACHED, nonce)
+        return nonce
+
+    def _tell(
+        self, kind: bytes, nonce: bytes, slot: int = 0, generation: int = 0, n: int = 0
+    ) -> None:
+        event = node.EVENT.pack(kind, nonce, slot, generation, n)
+        with self._telling:
+            if self._watcher is None:
+                return  # the server has not watched yet, or its watch broke: it falls back
+            try:
+                self._watcher.sendall(event)
+            except OSError:
+                self._watcher = None
+
+    def _answer(self, sock: socket.socket, nonce: bytes) -> bool:
+        """One request: the bytes asked for, or STALE. False when the connection is done."""
+        request = _read(sock, node.REQUEST.size)
+        if request is None:
+            return False
+        slot, generation, offset, length = node.REQUEST.unpack(request)
+        if slot == node.WATCH:
+            with self._telling:  # the server's watcher, replacing any earlier one
+                self._watcher = sock
+            return self._watch(sock)
+        try:
+            view = self._slots.view(slot)
+        except KeyError:  # dropped since: its batch is long gone
+            sock.sendall(node.STALE)
+            return True
+        try:
+            if (
+                offset < slot_protocol.SLOT_HEADER
+                or offset + length > len(view)
+                or slot_protocol.generation(view) != generation
+            ):
+                sock.sendall(node.STALE)
+                return True
+            sock.settimeout(tcp.STALL_TIMEOUT)  # a trainer that stops reading is let go
+            sock.sendall(node.OK)
+            sock.sendall(view[offset : offset + length])
+            sock.settimeout(None)
+            if slot_protocol.generation(view) != generation:
+                return False  # reused under the read: the bytes sent may be torn, so break
+        finally:
+            del view  # a slot viewed here would count as in use (WorkerSlots.take)
+        self._tell(node.SERVED, nonce, slot, generation, length)
+        return True
+
+    def _watch(self, sock: socket.socket) -> bool:
+        """The watcher's thread: nothing comes from the server on it; it ends when it closes."""
+        while sock.recv(1):
+            pass
+        with self._telling:
+            if self._watcher is sock:
+                self._watcher = None
+        return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def _read(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly `n` bytes; None when the peer closed first."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
