@@ -63,18 +63,11 @@ stream and a node, that node's batches go to the stream as before, the server fe
 bytes itself over a node connection of its own (`fetch`); a trainer that cannot reach a node
 (another network, a firewall: it tries in the background, once per stream) never makes the
 server hear it, so, after the first batch's REACH_WAIT, all of that node's batches go through
-the server. A node the server cannot watch is named to no stream. A server not told to
-(`[server] ray_node_fetch`, off by default), one serving TLS (these connections are not
+the server. A node the server cannot watch is taken as lost. A server told not to
+(`[server] ray_node_fetch = false`: COPY lanes), one serving TLS (these connections are not
 encrypted), a broadcast job, or a client that does not ask, never names a node: the bytes then
-cross the server as before (COPY lanes).
-
-Not yet safe: a batch kept on a node lives in its actor's memory until fetched, and an actor
-lost before then (its process, its node) takes it along. The pool counted the task done when
-the Result came, so nothing makes the batch again: a stream reaching it (named, or fetched by
-the server) breaks, and its resumed stream meets the same entry until its retries run out.
-Through the server the batch is safe in the server's memory once its Result came. Re-issuing
-a lost actor's unfetched batches (the ledger keeping a kept task open until SERVED) is what
-would make this the default; until then it is opt-in.
+cross the server as before. An actor lost with batches on its node: NOTE [ Node lost ] in
+server/remote.py.
 
 A connection that breaks mid-batch, or a slot reused under a read (STALE), breaks the stream,
 which the client resumes from that batch as after any data connection break.
@@ -105,6 +98,11 @@ WATCH = 0xFFFFFFFF
 # kind, the stream's nonce, slot, generation, bytes.
 EVENT = struct.Struct("!c16sIQQ")
 REACHED, SERVED = b"R", b"S"
+# A batch made again for the server (NOTE [ Node lost ] in server/remote.py): REMADE (slot: the
+# remake's id, generation: its size, bytes: its header's), or UNMADE (it failed); the server
+# fetches it once from slot REMADE_SLOTS + id.
+REMADE, UNMADE = b"M", b"U"
+REMADE_SLOTS = 0x80000000
 OK = tcp.ACK
 # The slot no longer holds that generation: the batch is gone (its stream let go of it).
 STALE = b"\x15"

@@ -60,7 +60,7 @@ def make_pool(
     metrics: LoaderMetrics,
     ray_address: str | None = None,
     ray_direct: bool = True,
-    ray_node_fetch: bool = False,
+    ray_node_fetch: bool = True,
 ) -> Pool:
     """A pool of the spec's backend (`pool`; not started)."""
     from remote_loader.server.pool import WorkerPool

@@ -90,7 +90,7 @@ class LoaderHost:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         ray_address: str | None = None,
         ray_direct: bool = True,
-        ray_node_fetch: bool = False,
+        ray_node_fetch: bool = True,
         metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
         kept: KeptPools | None = None,
     ) -> None:

@@ -335,6 +335,8 @@ class WorkerPool:
             return None
         self._metrics.worker_timing(*stamps)
         blob = slot.blob(result.offset, result.total_nbytes)
+        if result.remote is not None:
+            result.remote.room = blob  # where the server fetches it to (or has it made again)
         return Outcome(
             result.task_id,
             Delivery(

@@ -15,19 +15,21 @@ server/ray_lane.py), so that its tasks and results bypass Ray's calls and object
   slots of its own, which the server maps once and streams from (or a same-host trainer reads
   in place), exactly as a worker process's. That took the Ray pool from 0.14-0.18x to 0.96-1.08x
   the local pool on 2.4 and 9.6 MB image batches on one host (benchmarks/RESULTS.md);
-- elsewhere (another host reaching the server's TCP listener, a container, another pid namespace),
-  with `ray_node_fetch = true` (not under TLS), a KEEP lane: the actor keeps each batch in a slot
-  of its own and serves it from a data server on its node; the server names the batch there in the
-  Frame (node, slot, generation, sizes), as it names slot positions for shared memory, and the
-  trainer fetches the bytes from the node (NOTE [ Node data connection ] in protos/node.py). The
-  server keeps what it decides by positions (sampling, order, sharing, exactly-once, resume); a
-  batch's slot is the actor's again once its trainer has fetched it. A trainer that cannot reach
-  the node gets that node's batches through the server, per batch, which then fetches them itself;
-- elsewhere otherwise (the default, and always under TLS: the node connections are not encrypted),
-  a COPY lane: each batch follows its Result on the lane and is received straight into a slot of
-  the server's (one kernel copy on each side). Measured with a node in a PID namespace of its own
-  on the same host: 0.72x and 0.53x the local pool on 2.4 and 9.6 MB batches, where Ray's object
-  store gave 0.16x and 0.19x.
+- elsewhere (another host reaching the server's TCP listener, a container, another pid
+  namespace), unless told not to (`ray_node_fetch = false`, or under TLS), a KEEP lane: the
+  actor keeps each batch in a slot of its own and serves it from a data server on its node; the
+  server names the batch there in the Frame (node, slot, generation, sizes), as it names slot
+  positions for shared memory, and the trainer fetches the bytes from the node (NOTE [ Node data
+  connection ] in protos/node.py). The server keeps what it decides by positions (sampling,
+  order, sharing, exactly-once, resume); a batch's slot is the actor's again once its trainer
+  has fetched it. A trainer that cannot reach the node gets that node's batches through the
+  server, per batch, which then fetches them itself; an actor lost with batches no trainer has
+  fetched has them made again by another (NOTE [ Node lost ] in server/remote.py);
+- elsewhere otherwise (`ray_node_fetch = false`, and always under TLS: the node connections are
+  not encrypted), a COPY lane: each batch follows its Result on the lane and is received
+  straight into a slot of the server's (one kernel copy on each side). Measured with a node in a
+  PID namespace of its own on the same host: 0.72x and 0.53x the local pool on 2.4 and 9.6 MB
+  batches, where Ray's object store gave 0.16x and 0.19x.
 
 An actor that reaches neither listener (a firewall), or every actor of a server with
 `ray_direct = false`, encodes each batch into a numpy array, which Ray puts in its node's object
@@ -64,6 +66,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -98,7 +101,8 @@ from remote_loader.server.ray_lane import (
     recv_bytes_into,
     recv_message,
 )
-from remote_loader.server.remote import NodeDirectory
+from remote_loader.server.ray_node import Remake
+from remote_loader.server.remote import NodeDirectory, RemoteBatch
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -128,7 +132,11 @@ class _Actor:
     lane: Lane | None = None
     # A COPY lane's batches: slots this process receives them into (server/collating.py).
     copies: WorkerSlots | None = None
-    unanswered: dict[int, None] = dataclasses.field(default_factory=dict)
+    # ... with what each asks (epoch key, indices, seed): a KEEP lane's batch may be made again
+    # (NOTE [ Node lost ] in server/remote.py).
+    unanswered: dict[int, tuple[int, Any, int | None]] = dataclasses.field(default_factory=dict)
+    # A KEEP lane's: its data server's address, from its first Result.
+    node: tuple[str, int] | None = None
     pending: list[EpochStart | Task] = dataclasses.field(default_factory=list)
 
     def attach(self, lane: Lane | None) -> None:
@@ -173,7 +181,7 @@ class RayBackend:
         address: str | None,
         max_batch_bytes: int,
         direct: bool = True,
-        node_fetch: bool = False,
+        node_fetch: bool = True,
         record: Callable[[str, int], None] = lambda path, nbytes: None,
     ) -> None:
         self.spec = spec
@@ -194,6 +202,9 @@ class RayBackend:
         self._node_fetch = node_fetch
         self._record = record  # bytes of batches made elsewhere, by path ("server", "node")
         self._directory: NodeDirectory | None = None
+        # Lanes are written by the pool's thread and, for a batch made again, by the
+        # directory's (NOTE [ Node lost ] in server/remote.py).
+        self._sending = threading.Lock()
         self._lanes: Lanes | None = None
         self._attached: tuple[bool, ...] = ()  # of the actors placed at start
         # Per worker id: what this side knows of its actor.
@@ -224,6 +235,8 @@ class RayBackend:
             "direct": self.direct,
             "copied": self.copied,
             "kept": self.kept,
+            # NOTE [ Node lost ] in server/remote.py: batches made again after their actor was.
+            "remade": 0 if self._directory is None else self._directory.remade,
         }
 
     @property
@@ -251,7 +264,7 @@ class RayBackend:
             self._lanes = Lanes(lane_host(self.address), keep=self._node_fetch)
             if self._node_fetch:
                 key = node_protocol.node_key(self._lanes.address.secret)
-                self._directory = NodeDirectory(key, self._record)
+                self._directory = NodeDirectory(key, self._record, self._remake)
         cfg = BridgeConfig(
             self.spec,
             self.batching,
@@ -333,12 +346,13 @@ class RayBackend:
             self._command(Send(worker_id, message))
             return
         if isinstance(message, Task):
-            actor.unanswered[message.task_id] = None
+            actor.unanswered[message.task_id] = (message.epoch_key, message.indices, message.seed)
             if actor.copies is not None:  # the slots are this process's, not the actor's
                 actor.copies.release(message.released)
                 message = dataclasses.replace(message, released=())
         try:
-            actor.lane.conn.send(message)
+            with self._sending:
+                actor.lane.conn.send(message)
         except OSError:
             self._lane_closed(worker_id)
 
@@ -404,13 +418,41 @@ class RayBackend:
             # would move a private tensor's memory from under the views taken before.
             room = torch.empty(result.new_buffer.size, dtype=torch.uint8).share_memory_()
             result = dataclasses.replace(result, new_buffer=room)
+        host, port = result.node
+        actor = self._actors[worker_id]
+        actor.node = (host, port)
         if result.total_nbytes:
-            host, port = result.node
             kept = self._directory.kept(
-                (host, port), result.slot, result.generation, result.offset, result.total_nbytes
+                (host, port),
+                result.slot,
+                result.generation,
+                result.offset,
+                result.total_nbytes,
+                result.header_nbytes,
+                actor.unanswered.get(result.task_id),
             )
             result = dataclasses.replace(result, remote=kept)
         return result
+
+    def _remake(self, batch: RemoteBatch, remake_id: int) -> tuple[str, int] | None:
+        """Sends `batch` to be made again by a live actor on a KEEP lane elsewhere than where it
+        was lost (the directory's thread); that actor's node, or None when none can now."""
+        if batch.task is None:
+            return None
+        epoch_key, indices, seed = batch.task
+        for actor in list(self._actors):
+            lane = actor.lane
+            if not actor.alive or lane is None or not lane.keep or actor.node is None:
+                continue
+            if actor.node == batch.address:
+                continue
+            try:
+                with self._sending:
+                    lane.conn.send(Remake(remake_id, epoch_key, indices, seed))
+            except OSError:
+                continue  # closed meanwhile: the pool's thread finds it
+            return actor.node
+        return None
 
     @staticmethod
     def _copied(slots: WorkerSlots, conn: Connection, result: Result) -> Result:

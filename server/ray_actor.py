@@ -28,7 +28,7 @@ import torch
 from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import WorkerSlots, use_collate_buffers
 from remote_loader.server.ray_lane import Lane, LaneAddress, Probe, SlotSize, attach, share
-from remote_loader.server.ray_node import NodeServer
+from remote_loader.server.ray_node import NodeServer, Remake
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import (
@@ -151,6 +151,30 @@ class RayWorker:
                 if data is not None:
                     data.close()
 
+    def _remake(self, message: Remake) -> tuple[np.ndarray | None, int]:
+        """A batch a lost actor had kept, made again here (NOTE [ Node lost ] in
+        server/remote.py): its encoded bytes and header size; None for one that cannot be (of
+        another epoch, or it failed: the server says so at its position)."""
+        state = self.state
+        if message.epoch_key != self.epoch_key or state.fetcher is None or state.init_error:
+            return None, 0
+        try:
+            made = make_batch(
+                state.fetcher,
+                message.indices,
+                message.seed,
+                self.max_batch_bytes,
+                state.where,
+                state.compressor,
+            )
+        except Exception:
+            return None, 0
+        if made.encoded is None:
+            return None, 0
+        blob = np.empty(made.encoded.total_nbytes, dtype=np.uint8)
+        made.encoded.write_blob(torch.from_numpy(blob))
+        return blob, len(made.encoded.header)
+
     def _lane_loop(self, lane: Lane, slots: WorkerSlots, data: NodeServer | None) -> None:
         conn = lane.conn
         while True:
@@ -164,6 +188,10 @@ class RayWorker:
                 self.begin_epoch(
                     message.epoch_key, message.base_seed, message.compression, self.fresh
                 )
+                continue
+            if isinstance(message, Remake):
+                if data is not None:
+                    data.remade(message.remake_id, *self._remake(message))
                 continue
             slots.release(message.released)
             started = time.monotonic()

@@ -15,8 +15,8 @@ gave its bridge) and offers a probe of its shared memory. The server answers whi
   in it (this host, the same pid namespace and user, not a process of the same pid elsewhere):
   the actor's batches lie in slots of its own that the server maps once, exactly as a worker
   process's, and each Result names one;
-- KEEP, otherwise (another host, container or pid namespace), where the server was told to
-  (`ray_node_fetch`): the batch stays in the actor's slot, for trainers to fetch from its
+- KEEP, otherwise (another host, container or pid namespace), unless the server was told not
+  to (`ray_node_fetch = false`): the batch stays in the actor's slot, for trainers to fetch from its
   node (NOTE [ Node data connection ] in protos/node.py); its Result names the node;
 - COPY, where KEEP is off: each Result is followed on the lane by the encoded batch, which the
   server receives straight into a slot of its own for the actor (one kernel copy; no object

@@ -11,15 +11,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
+from typing import Any
+
+import numpy as np
 
 from remote_loader.protos import node, tcp
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.collating import WorkerSlots
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remake:
+    """Down a KEEP lane: make this batch of a lost actor's again, for the server to fetch (NOTE
+    [ Node lost ] in server/remote.py)."""
+
+    remake_id: int
+    epoch_key: int
+    indices: Any
+    seed: int | None
 
 
 class NodeServer:
@@ -30,6 +45,9 @@ class NodeServer:
         self._key = key
         self._slots = slots
         self._watcher: socket.socket | None = None
+        # Batches made again for the server, by remake id, until it has fetched each (one per
+        # batch a lost actor kept: bounded by the pool's slots).
+        self._remade: dict[int, np.ndarray] = {}
         self._telling = threading.Lock()  # one event at a time on the watcher
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((host, 0))
@@ -110,6 +128,8 @@ class NodeServer:
         if request is None:
             return False
         slot, generation, offset, length = node.REQUEST.unpack(request)
+        if slot >= node.REMADE_SLOTS and slot != node.WATCH:
+            return self._answer_remade(sock, slot - node.REMADE_SLOTS, offset, length)
         if slot == node.WATCH:
             with self._telling:  # the server's watcher, replacing any earlier one
                 self._watcher = sock
@@ -136,6 +156,25 @@ class NodeServer:
         finally:
             del view  # a slot viewed here would count as in use (WorkerSlots.take)
         self._tell(node.SERVED, nonce, slot, generation, length)
+        return True
+
+    def remade(self, remake_id: int, blob: np.ndarray | None, header_nbytes: int) -> None:
+        """The lane's thread made a remake (None: it failed): kept until the server fetches it."""
+        if blob is None:
+            self._tell(node.UNMADE, bytes(node.NONCE_BYTES), remake_id)
+            return
+        self._remade[remake_id] = blob
+        self._tell(node.REMADE, bytes(node.NONCE_BYTES), remake_id, len(blob), header_nbytes)
+
+    def _answer_remade(self, sock: socket.socket, remake_id: int, offset: int, length: int) -> bool:
+        blob = self._remade.pop(remake_id, None)  # fetched once, by the server
+        if blob is None or offset + length > len(blob):
+            sock.sendall(node.STALE)
+            return True
+        sock.settimeout(tcp.STALL_TIMEOUT)
+        sock.sendall(node.OK)
+        sock.sendall(blob.data[offset : offset + length])
+        sock.settimeout(None)
         return True
 
     def _watch(self, sock: socket.socket) -> bool:

@@ -96,10 +96,9 @@ class ServerSettings:
     # server/ray_lane.py); false: every batch through Ray's calls and object store.
     ray_direct: bool = True
     # With ray_direct: trainers fetch a batch made on another host from that node (NOTE
-    # [ Node data connection ] in protos/node.py); false: through this server. Off by default
-    # (an actor lost with batches no trainer has fetched yet breaks their streams: the NOTE),
-    # and ignored under TLS (the node connections are not encrypted).
-    ray_node_fetch: bool = False
+    # [ Node data connection ] in protos/node.py); false: through this server. Ignored under
+    # TLS (the node connections are not encrypted).
+    ray_node_fetch: bool = True
     # The token itself, from REMOTE_LOADER_TOKEN only (ENV_ONLY); never shown.
     token: str | None = dataclasses.field(default=None, repr=False)
 

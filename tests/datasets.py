@@ -410,3 +410,22 @@ class Threads(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([torch.get_num_threads(), os.getpid()])
+
+
+class Logged(Dataset[torch.Tensor]):
+    """Item i: `nbytes` bytes of value i % 256; first appends the reading process's pid to
+    `log` (a batch big enough to fill a data connection's buffers while its trainer waits)."""
+
+    def __init__(self, n: int, nbytes: int, log: str) -> None:
+        self.n, self.nbytes, self.log = n, nbytes, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        return torch.full((self.nbytes,), i % 256, dtype=torch.uint8)

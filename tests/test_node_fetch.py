@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,27 +21,30 @@ import pytest
 
 from benchmarks.netns import Link
 from remote_loader.client import RemoteLoader
+from remote_loader.server.pool import WorkerPool
 from remote_loader.server.server import Server
 from remote_loader.server.settings import ServerSettings
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import wait_until
+from tests.test_pool_contract import kill_a_worker
 from tests.test_ray import ContainedCluster
 
 # Batches of 1 to 3 MiB and a few small ones: striped over the node connections, and not.
 SIZES = [(3 << 20) - 7, 100, 1 << 20, (2 << 20) + 5, 7, 3 << 20] * 4
 
 
-def spec(name: str) -> LoaderSpec:
-    return LoaderSpec(
-        name=name,
-        dataset="tests.datasets:Sizes",
-        dataset_kwargs={"sizes": SIZES},
-        batch_size=1,
-        num_workers=2,
-        persistent_workers=True,
-        pool="ray",
-        ray_num_cpus=0.5,  # two servers' actors on the node's 2 CPUs
-    )
+def spec(name: str, **options: Any) -> LoaderSpec:
+    settings: dict[str, Any] = {
+        "dataset": "tests.datasets:Sizes",
+        "dataset_kwargs": {"sizes": SIZES},
+        "batch_size": 1,
+        "num_workers": 2,
+        "persistent_workers": True,
+        "pool": "ray",
+        "ray_num_cpus": 0.3,  # three loaders' actors on the node's 2 CPUs, and a replacement
+        **options,
+    }
+    return LoaderSpec(name=name, **settings)
 
 
 def expected() -> list[tuple[int, set[int]]]:
@@ -65,16 +69,26 @@ def link() -> Iterator[Link]:
 
 
 @pytest.fixture(scope="module")
-def servers(link: Link) -> Iterator[tuple[Server, Server]]:
-    """One server whose trainers fetch from the node, one that sends every batch itself (the
-    default)."""
+def servers(
+    link: Link, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    """One server whose trainers fetch from the node (the default), one told not to."""
     cluster = ContainedCluster()
     try:
-        fetching = ServerSettings(
-            address=f"{link.client_ip}:0", ray_address=cluster.address, ray_node_fetch=True
+        fetching = ServerSettings(address=f"{link.client_ip}:0", ray_address=cluster.address)
+        copying = ServerSettings(
+            address=f"{link.client_ip}:0", ray_address=cluster.address, ray_node_fetch=False
         )
-        copying = ServerSettings(address=f"{link.client_ip}:0", ray_address=cluster.address)
-        with Server(fetching, [spec("kept")]) as kept, Server(copying, [spec("copied")]) as copied:
+        readers = str(tmp_path_factory.mktemp("readers") / "pids")
+        # 8 MB batches: a trainer that stops reading fills its connections' buffers with a few,
+        # and the pool makes more ahead, which wait on their node.
+        slow = spec(
+            "slow",
+            dataset="tests.datasets:Logged",
+            dataset_kwargs={"n": 24, "nbytes": 8 << 20, "log": readers},
+        )
+        loaders = [spec("kept"), slow]
+        with Server(fetching, loaders) as kept, Server(copying, [spec("copied")]) as copied:
             assert kept.hosts["kept"].pool_info["kept"] == 2, kept.hosts["kept"].pool_info
             assert copied.hosts["copied"].pool_info["copied"] == 2, copied.hosts["copied"].pool_info
             yield kept, copied
@@ -138,8 +152,84 @@ def test_a_trainer_that_cannot_reach_the_node_gets_every_batch_through_the_serve
     assert after["server"] - before.get("server", 0) == result["bytes"]
 
 
+def slow_pool(server: Server) -> WorkerPool:
+    pool = server.hosts["slow"]._persistent
+    assert isinstance(pool, WorkerPool)
+    return pool
+
+
 @pytest.mark.timeout(300)
-def test_by_default_the_server_sends_every_batch_itself(servers: tuple[Server, Server]) -> None:
+def test_an_actor_lost_after_its_batches_were_named_costs_one_resume(
+    servers: tuple[Server, Server],
+) -> None:
+    server, _ = servers
+    pool = slow_pool(server)
+    with RemoteLoader(server.address, "slow", transport="tcp") as loader:
+        batches = iter(loader)
+        got = [int(next(batches)[0, 0])]
+        # Meanwhile the pool makes ahead (prefetch_factor * num_workers tasks, the lane's
+        # window) and the server names each batch on its node as it comes: this trainer has
+        # fetched none of them.
+        time.sleep(1.0)
+        kill_a_worker(pool)  # the one that made the latest of them
+        got += [int(b[0, 0]) for b in batches]
+        stats = loader.stats()
+    assert got == list(range(24))  # every batch once, in order, no error
+    # The first batch named on the lost node breaks the stream once; resumed, it is made again.
+    assert stats.reconnects <= 1, stats
+    assert pool.restarts >= 1
+
+
+SLOW_TRAINER = """
+import json, sys
+from remote_loader.client import RemoteLoader
+with RemoteLoader(sys.argv[1], "slow") as loader:
+    batches = iter(loader)
+    got = [int(next(batches)[0, 0])]
+    print("waiting", flush=True)
+    sys.stdin.readline()  # the test kills an actor meanwhile
+    got += [int(b[0, 0]) for b in batches]
+    stats = loader.stats()
+print(json.dumps({"got": got, "reconnects": stats.reconnects, "node_bytes": stats.node_bytes}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
+    servers: tuple[Server, Server], link: Link
+) -> None:
+    """NOTE [ Node lost ] in server/remote.py: a trainer that cannot reach the node gets every
+    batch from the server, which fetches each when it sends it; those made ahead wait on their
+    node, and are made again by another actor when theirs is lost."""
+    server, _ = servers
+    pool = slow_pool(server)
+    remade = pool.describe()["remade"]
+    argv = link.wrap([sys.executable, "-c", SLOW_TRAINER, server.address])
+    trainer = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        assert trainer.stdout.readline().strip() == "waiting"
+        time.sleep(1.0)  # the pool makes ahead: batches kept on the node, not sent
+        kill_a_worker(pool)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        out, _ = trainer.communicate(timeout=240)
+    finally:
+        trainer.kill()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["got"] == list(range(24)), result  # every batch once, in order, no error
+    assert result["reconnects"] == 0 and result["node_bytes"] == 0, result
+    assert pool.describe()["remade"] > remade  # made again by the other actor, not lost
+
+
+@pytest.mark.timeout(300)
+def test_a_server_told_not_to_sends_every_batch_itself(servers: tuple[Server, Server]) -> None:
     _, server = servers
     with RemoteLoader(server.address, "copied", transport="tcp") as loader:
         got = [(b.numel(), set(b.unique().tolist())) for b in loader]

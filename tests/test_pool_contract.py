@@ -5,8 +5,8 @@ costing nothing.
 Both backends run on one pool core (server/pool.py): these tests hold every backend to what
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
 two nodes on 127.0.0.1, their batches in shared memory on direct lanes, "ray"; a node in a PID
-namespace of its own, as in a container, whose actors' batches come as bytes on their lanes,
-"ray-copy"; kept on their node for the trainer to fetch, tests/test_node_fetch.py; through
+namespace of its own, as in a container, whose actors keep their batches on their node for
+the trainer to fetch, "ray-node"; as bytes on their lanes, tests/test_node_fetch.py; through
 Ray's object store, tests/test_ray.py). What only one backend has (the fork
 server, a removed Ray node, Ray's start-up errors) is tested beside it, in test_supervision.py
 and test_ray.py / test_ray_life.py; the lanes' handshake in test_ray_lane.py.
@@ -86,19 +86,21 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     ]
 
 
-@pytest.fixture(scope="module", params=["local", "ray", "ray-copy"])
+@pytest.fixture(scope="module", params=["local", "ray", "ray-node"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     ray_address = None
     cluster: Cluster | ContainedCluster | None = None
-    if request.param == "ray-copy":
+    if request.param == "ray-node":
         cluster = ContainedCluster()
         ray_address = cluster.address
     elif request.param != "local":
         cluster = start_cluster(2)
         ray_address = cluster.address
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
+    settings = ServerSettings(
+        address=f"{LOOPBACK}:0", ray_address=ray_address, ray_node_fetch=request.param == "ray-node"
+    )
     try:
         log = str(tmp_path_factory.mktemp(request.param) / "slow-readers")
         with Server(settings, contract_specs(request.param, log)) as server:
@@ -106,7 +108,7 @@ def served(
             info = [server.hosts[n].pool_info for n in ("crash", "slow")]
             lanes = [(i.get("direct"), i.get("copied"), i.get("kept")) for i in info]
             if request.param != "local":
-                expected = {"ray": (2, 0, 0), "ray-copy": (2, 2, 0)}
+                expected = {"ray": (2, 0, 0), "ray-node": (2, 0, 2)}
                 assert lanes == [expected[request.param]] * 2, info
             yield server
             server.stop(0)
@@ -195,7 +197,7 @@ def kill_a_worker(pool: WorkerPool) -> None:
     log = pool.spec.dataset_kwargs["log"]
     with open(log) as readers:
         pid = int(readers.read().split()[-1])
-    if pool.describe().get("copied"):
+    if pool.describe().get("kept"):
         pid = host_pid(pid)  # an actor's own pid namespace named it
     assert pid != os.getpid()
     os.kill(pid, signal.SIGKILL)

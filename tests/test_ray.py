@@ -217,6 +217,7 @@ def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
             "direct": 2,
             "copied": 0,
             "kept": 0,
+            "remade": 0,
         }
         assert_same(epoch_of(server.address, "here"), epoch_of_local("map"))
 

@@ -49,7 +49,9 @@ class NodeSender:
             yield from self.inner.send(batch, outgoing, stopped)
             return
         directory = remote.directory
-        if not directory.watched(remote.address):  # its events would not reach this server
+        if not remote.on_node or not directory.watched(remote.address):
+            # Here already (or lost with its node: made again here), or its node's events
+            # would not reach this server.
             yield from self.inner.send(batch, outgoing, stopped)
             return
         if id(directory) not in self._directories:
@@ -114,6 +116,7 @@ class NodeSender:
             directory.forget(self._nonce)
         # A trainer that went without fetching them: the actors may reuse their slots (one
         # fetched late finds them STALE).
-        for release, _ in list(self._held.values()):
+        for release, remote in list(self._held.values()):
+            remote.abandon(self._nonce)
             release()
         self._held.clear()
