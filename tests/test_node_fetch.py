@@ -203,7 +203,7 @@ def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     node, and are made again by another actor when theirs is lost."""
     server, _ = servers
     pool = slow_pool(server)
-    remade = pool.describe()["remade"]
+    remade = int(pool.describe()["remade"])
     argv = link.wrap([sys.executable, "-c", SLOW_TRAINER, server.address])
     trainer = subprocess.Popen(
         argv,
@@ -225,7 +225,7 @@ def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     result = json.loads(out.strip().splitlines()[-1])
     assert result["got"] == list(range(24)), result  # every batch once, in order, no error
     assert result["reconnects"] == 0 and result["node_bytes"] == 0, result
-    assert pool.describe()["remade"] > remade  # made again by the other actor, not lost
+    assert int(pool.describe()["remade"]) > remade  # made again by the other actor, not lost
 
 
 @pytest.mark.timeout(300)
