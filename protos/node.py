@@ -33,20 +33,40 @@ tf.data service clients read from its workers.
     -> ACK                                                         REACHED(nonce) to the
                                                                    watcher
                                  REACHED (the first batch waits
-                                 for it up to REACH_WAIT): the
-                                 node's batches go as Frame.node
+                                 for it up to REACH_WAIT): each
+                                 of the node's batches goes as a
+                                 PUSH (nonce, slot, generation,
+                                 offset, length) down the
+                                 watcher, then as Frame.node
                                  (slot, generation, offset,
-                                 sizes), the slot's lease held
-    per stripe (tcp.stripes), all                                  checks the slot still holds
-    at once, one per connection:                                   `generation`, sends OK and
-    REQUEST (slot, generation,                                     the bytes (one kernel copy),
-    offset, length) -> OK, bytes                                   checks it again, SERVED
-    straight into the (pinned)                                     (nonce, slot, generation,
-    buffer                                                         length) to the watcher
+                                 sizes); the slot's lease held
+                                                                   the stream's pusher checks
+                                                                   the slot still holds
+                                                                   `generation`, writes each
+                                                                   stripe (tcp.stripes) on
+                                                                   its connection after OK
+                                                                   (one kernel copy), checks
+                                                                   again, SERVED (nonce,
+                                                                   slot, generation, length)
+                                                                   to the watcher
+    per stripe, all at once: OK,
+    then the bytes straight into
+    the (pinned) buffer
                                  SERVED every byte of a batch to
                                  the stream: its lease ends, and
                                  the slot goes back to the actor
                                  with its next task
+
+Pushed, not asked for: the node writes a batch as soon as the server names it, so the bytes
+are in the trainer's socket buffers, or on their way, when its receiver reads the Frame, as
+the server's own data connections do. Asked for (a REQUEST per stripe once the Frame was
+read), every batch waited for the actor's process to wake its serving thread, which needs the
+GIL its batch-making thread holds for up to the switch interval: 141 b/s against 316 through
+the server on one node of benchmarks/ray_hosts.py, where pushing gives 331 against 298. The
+server's own fetches (a trainer that cannot reach the node, a batch made again) still ask: a
+nonce without PUSHED. Between batches a pusher reads what the trainer sends (heartbeats, while
+its queue is full: a paused training loop is not a lost trainer, tcp.send's rule) and ends
+when the trainer closes its connections.
 
 The watcher is a connection of the server's own, read by a thread of its own (server/remote.py),
 not the actor's lane: the lane is read when the pool waits for results, and a pool with every
@@ -97,6 +117,12 @@ REQUEST = struct.Struct("!IQQQ")
 WATCH = 0xFFFFFFFF
 # kind, the stream's nonce, slot, generation, bytes.
 EVENT = struct.Struct("!c16sIQQ")
+# Down the watcher, from the server: write this batch (slot, generation, offset, length) to the
+# stream `nonce`'s connections, stripe i on connection i, each stripe after a status byte.
+PUSH = struct.Struct("!16sIQQQ")
+# In a nonce's last byte, with the count of connections: the stream's batches are pushed to it
+# (a trainer's); without it, each is asked for with a REQUEST (the server's own fetches).
+PUSHED = 0x80
 REACHED, SERVED = b"R", b"S"
 # A batch made again for the server (NOTE [ Node lost ] in server/remote.py): REMADE (slot: the
 # remake's id, generation: its size, bytes: its header's), or UNMADE (it failed); the server
@@ -118,18 +144,23 @@ def node_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"remote-loader node tickets", hashlib.sha256).digest()
 
 
-def new_nonce(connections: int) -> bytes:
-    """A stream's nonce: random, its last byte the count of connections it makes to a node."""
+def new_nonce(connections: int, pushed: bool = False) -> bytes:
+    """A stream's nonce: random, its last byte the count of connections it makes to a node,
+    with PUSHED where the node pushes the stream's batches."""
     if not 1 <= connections <= tcp.MAX_DATA_CONNECTIONS:
         raise ValueError(
             f"a stream makes 1 to {tcp.MAX_DATA_CONNECTIONS} connections to a node, "
             f"got {connections}"
         )
-    return os.urandom(NONCE_BYTES - 1) + bytes([connections])
+    return os.urandom(NONCE_BYTES - 1) + bytes([connections | (PUSHED if pushed else 0)])
 
 
 def connections_of(nonce: bytes) -> int:
-    return nonce[-1]
+    return nonce[-1] & ~PUSHED
+
+
+def pushed(nonce: bytes) -> bool:
+    return bool(nonce[-1] & PUSHED)
 
 
 def ticket(key: bytes, nonce: bytes) -> bytes:
@@ -146,6 +177,22 @@ def nonce_of(key: bytes, presented: bytes) -> bytes | None:
     if not 1 <= connections_of(nonce) <= tcp.MAX_DATA_CONNECTIONS:
         return None
     return nonce if hmac.compare_digest(ticket(key, nonce), presented) else None
+
+
+def answer(sock: socket.socket, stopped: Callable[[], bool]) -> bool:
+    """Reads a node's status byte before a stripe: True when the bytes follow (read them with
+    tcp.recv_into), False if `stopped()` turned true first. Raises tcp.DataConnectionError when
+    the connection broke or the batch is gone (STALE)."""
+    status = bytearray(1)
+    if not tcp.recv_into(sock, memoryview(status), stopped):
+        return False
+    if bytes(status) == STALE:
+        raise tcp.DataConnectionError(
+            "the node no longer holds the batch (the server let go of it, or it was rewritten)"
+        )
+    if bytes(status) != OK:
+        raise tcp.DataConnectionError(f"not a node data server's answer: {bytes(status)!r}")
+    return True
 
 
 def ask(

@@ -13,7 +13,10 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import queue
+import select
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -24,6 +27,11 @@ from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.collating import WorkerSlots
 
 log = logging.getLogger(__name__)
+
+# How often an idle stream's pusher looks whether its trainer has gone.
+IDLE_CHECK = 1.0
+# The actor's GIL switch interval while it serves batches (NOTE [ Serving beside the maker ]).
+SWITCH_INTERVAL = 0.0005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +50,15 @@ class NodeServer:
     watcher (protos/node.py: WATCH) which streams reached it and what it served them."""
 
     def __init__(self, host: str, key: bytes, slots: WorkerSlots) -> None:
+        # NOTE [ Serving beside the maker ]: a request waits for the GIL, which the actor's
+        # lane thread holds while it makes a batch; Python hands it over every switch interval
+        # (5 ms by default), so each stripe asked for would wait up to that. The actor's
+        # process is ours: its threads switch ten times as often.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self._key = key
         self._slots = slots
         self._watcher: socket.socket | None = None
+        self._closed = False
         # Batches made again for the server, by remake id, until it has fetched each (one per
         # batch a lost actor kept: bounded by the pool's slots).
         self._remade: dict[int, np.ndarray] = {}
@@ -58,6 +72,8 @@ class NodeServer:
         self._open: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         # Per stream: its connections that said HELLO (at most node.MAX_NONCES streams).
         self._hellos: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        # Per trainer's stream: what writes its batches to its connections.
+        self._pushers: dict[bytes, _Pusher] = {}
         threading.Thread(target=self._accept, name="rl-node-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -77,15 +93,16 @@ class NodeServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             nonce = self._greet(sock)
+            if nonce is not None and node.pushed(nonce):
+                return  # a trainer's: its stream's pusher owns it now
             if nonce is not None:
                 while self._answer(sock, nonce):
                     pass
         except OSError:
             pass
-        finally:
-            with self._lock:
-                self._open.pop(sock, None)
-            sock.close()
+        with self._lock:
+            self._open.pop(sock, None)
+        sock.close()
 
     def _greet(self, sock: socket.socket) -> bytes | None:
         """The nonce of a connection whose HELLO carries a ticket of this pool's; None (the
@@ -98,15 +115,31 @@ class NodeServer:
         if nonce is None:
             return None
         tcp.tune(sock)
-        sock.settimeout(None)  # between batches a trainer's connection is quiet
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        pusher = None
+        if node.pushed(nonce):
+            # Before its ACK: the trainer makes its connections one after the other, so
+            # connection i is the stream's i-th here, and carries stripe i.
+            sock.settimeout(tcp.POLL_INTERVAL)  # as tcp.send expects
+            with self._lock:
+                pusher = self._pushers.get(nonce)
+                if pusher is None:
+                    pusher = self._pushers[nonce] = _Pusher(self, nonce)
+                if len(pusher.conns) >= node.connections_of(nonce):
+                    return None  # one more than its ticket says: a replay
+                pusher.conns.append(sock)
+                count = len(pusher.conns)
+        else:
+            sock.settimeout(None)  # between requests a connection is quiet
+            with self._lock:
+                count = self._hellos.pop(nonce, 0) + 1
+                self._hellos[nonce] = count
+                while len(self._hellos) > node.MAX_NONCES:
+                    self._hellos.popitem(last=False)
         sock.sendall(node.OK)
-        with self._lock:
-            count = self._hellos.pop(nonce, 0) + 1
-            self._hellos[nonce] = count
-            while len(self._hellos) > node.MAX_NONCES:
-                self._hellos.popitem(last=False)
         if count == node.connections_of(nonce):
+            if pusher is not None:
+                pusher.start()
             self._tell(node.REACHED, nonce)
         return nonce
 
@@ -178,21 +211,111 @@ class NodeServer:
         return True
 
     def _watch(self, sock: socket.socket) -> bool:
-        """The watcher's thread: nothing comes from the server on it; it ends when it closes."""
-        while sock.recv(1):
-            pass
+        """The watcher's thread: the server's PUSHes, each to its stream's pusher, until the
+        watcher closes."""
+        while (data := _read(sock, node.PUSH.size)) is not None:
+            nonce, *batch = node.PUSH.unpack(data)
+            with self._lock:
+                pusher = self._pushers.get(nonce)
+            if pusher is not None:  # else that stream's connections are gone
+                pusher.queue.put((batch[0], batch[1], batch[2], batch[3]))
         with self._telling:
             if self._watcher is sock:
                 self._watcher = None
         return False
 
+    def _push(self, pusher: _Pusher, slot: int, generation: int, offset: int, length: int) -> None:
+        """Writes a batch to a stream's connections, a status byte before each stripe (STALE
+        when the slot no longer holds it); raises OSError when the stream's trainer is gone."""
+        stripes = tcp.stripes(length, len(pusher.conns))
+        try:
+            view: memoryview | None = self._slots.view(slot)
+        except KeyError:
+            view = None
+        try:
+            fresh = (
+                view is not None
+                and offset >= slot_protocol.SLOT_HEADER
+                and offset + length <= len(view)
+                and slot_protocol.generation(view) == generation
+            )
+            for conn, (lo, hi) in zip(pusher.conns, stripes, strict=False):
+                tcp.send(conn, memoryview(node.OK if fresh else node.STALE), pusher.stopped)
+                if fresh:
+                    assert view is not None
+                    part = view[offset + lo : offset + hi]
+                    tcp.send(conn, part, pusher.stopped)
+                    del part
+            if fresh and view is not None and slot_protocol.generation(view) != generation:
+                raise OSError("the slot was rewritten under its push")  # torn: break
+        finally:
+            del view  # a slot viewed here would count as in use (WorkerSlots.take)
+        if fresh:
+            self._tell(node.SERVED, pusher.nonce, slot, generation, length)
+
+    def _ended(self, pusher: _Pusher) -> None:
+        with self._lock:
+            if self._pushers.get(pusher.nonce) is pusher:
+                del self._pushers[pusher.nonce]
+            for conn in pusher.conns:
+                self._open.pop(conn, None)
+        for conn in pusher.conns:
+            conn.close()
+
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
             for sock in self._open:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Pusher:
+    """One trainer stream's connections to this node, and the thread that writes the batches
+    the server pushes to it, in the order pushed (the order the stream names them in). Between
+    batches it reads what the trainer sends (heartbeats) and ends when the trainer closes."""
+
+    def __init__(self, server: NodeServer, nonce: bytes) -> None:
+        self.server = server
+        self.nonce = nonce
+        self.conns: list[socket.socket] = []
+        self.queue: queue.SimpleQueue[tuple[int, int, int, int]] = queue.SimpleQueue()
+
+    def stopped(self) -> bool:
+        return self.server._closed
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="rl-node-push", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped():
+                try:
+                    slot, generation, offset, length = self.queue.get(timeout=IDLE_CHECK)
+                except queue.Empty:
+                    if self._gone():
+                        return
+                    continue
+                self.server._push(self, slot, generation, offset, length)
+        except OSError:
+            pass  # the trainer went (tcp.send: a broken connection, or a silent trainer)
+        finally:
+            self.server._ended(self)
+
+    def _gone(self) -> bool:
+        """Whether the trainer closed a connection; drops the heartbeats it sent meanwhile."""
+        readable, _, _ = select.select(self.conns, [], [], 0)
+        for conn in readable:
+            try:
+                if not conn.recv(1 << 12):
+                    return True
+            except (BlockingIOError, TimeoutError):
+                continue
+            except OSError:
+                return True
+        return False
 
 
 def _read(sock: socket.socket, n: int) -> bytes | None:

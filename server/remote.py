@@ -95,6 +95,7 @@ class NodeDirectory:
         self._changed = threading.Condition(self._lock)  # a stream reached a node
         # The nodes watched, with their watcher's socket and what it has half read.
         self._watchers: dict[Address, tuple[socket.socket, bytearray]] = {}
+        self._pushing = threading.Lock()  # one PUSH at a time on any watcher
         # Per stream nonce: the nodes all its connections reached (forgotten at its close).
         self._reached: dict[bytes, set[Address]] = {}
         # The batches on nodes that a stream may still fetch, by (node, slot, generation).
@@ -262,6 +263,21 @@ class NodeDirectory:
             return
         self.remade += 1
         batch.arrived()
+
+    def push(self, batch: RemoteBatch, nonce: bytes) -> bool:
+        """Tells the batch's node to write it to the stream `nonce`'s connections (any
+        thread); False when its node is not watched (any more)."""
+        with self._lock:
+            watcher = self._watchers.get(batch.address)
+        if watcher is None:
+            return False
+        push = node.PUSH.pack(nonce, batch.slot, batch.generation, batch.offset, batch.nbytes)
+        try:
+            with self._pushing:
+                watcher[0].sendall(push)
+        except OSError:
+            return False  # its watcher broke: the watchers' thread finds the node lost
+        return True
 
     def watched(self, address: Address) -> bool:
         """Whether the node's events reach this server (else it is named to no stream)."""

@@ -98,20 +98,18 @@ class NodeEnd:
                 f"this client could not connect to: {exc}"
             ) from exc
         stripes = tcp.stripes(assembly.total, len(socks))
-        asked = [False] * len(stripes)
+        answered = [False] * len(stripes)
         failed = threading.Event()  # one stripe failed: the others stop
 
         def stop() -> bool:
             return failed.is_set() or self._stopped()
 
         def read(i: int, view: memoryview) -> bool:
-            # A stripe's range comes in one answer, read into the assembly's views in turn.
-            if not asked[i]:
-                asked[i] = True
-                lo, hi = stripes[i]
-                if not node.ask(
-                    socks[i], where.slot, where.generation, where.offset + lo, hi - lo, stop
-                ):
+            # The node pushes each stripe after a status byte, read into the assembly's views
+            # in turn.
+            if not answered[i]:
+                answered[i] = True
+                if not node.answer(socks[i], stop):
                     return False
             return tcp.recv_into(socks[i], view, stop)
 
@@ -138,7 +136,10 @@ class NodeEnd:
                 sock.close()
 
     def beat(self) -> None:
-        pass  # a node reads requests on these connections: no heartbeat bytes in between
+        for connecting in list(self._nodes.values()):
+            if connecting.done() and connecting.exception() is None:
+                for sock in connecting.result():
+                    tcp.beat(sock)  # a node waiting for room reads them as a sign of life
 
     def close(self) -> None:
         for pool in (self._connector, self._pool):

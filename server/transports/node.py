@@ -32,7 +32,7 @@ class NodeSender:
     def __init__(self, inner: Sender, connections: int) -> None:
         self.inner = inner
         self.batches = 0  # named on their nodes
-        self._nonce = node.new_nonce(connections)
+        self._nonce = node.new_nonce(connections, pushed=True)
         self._connections = connections
         # Per (directory, node) announced: until when a batch of it waits for the trainer to
         # reach it.
@@ -66,7 +66,7 @@ class NodeSender:
         # trainer that cannot reach it costs that once, then its batches come from here.
         deadline = self._deadlines[(id(directory), remote.address)]
         if directory.wait_reached(self._nonce, remote.address, deadline, stopped):
-            yield from self._name(batch, outgoing)
+            yield from self._name(batch, outgoing, stopped)
         else:
             yield from self.inner.send(batch, outgoing, stopped)
 
@@ -81,7 +81,7 @@ class NodeSender:
         )
         return wire.control_frame(pb.Frame(node_channel=channel))
 
-    def _name(self, batch: int, outgoing: Outgoing) -> Iterator[bytes]:
+    def _name(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> Iterator[bytes]:
         remote = outgoing.remote
         assert remote is not None
         # The slot stays the batch's until the trainer has fetched it all (or this stream
@@ -96,6 +96,13 @@ class NodeSender:
 
         self._held[hold] = (release, remote)
         remote.on_served(self._nonce, done)
+        # Its node writes it to the trainer's connections now: it is there, or on its way,
+        # when the trainer reads this Frame.
+        if not remote.directory.push(remote, self._nonce):
+            remote.abandon(self._nonce)
+            done()
+            yield from self.inner.send(batch, outgoing, stopped)
+            return
         host, port = remote.address
         where = pb.NodeBatch(
             host=host,
