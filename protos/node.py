@@ -211,17 +211,7 @@ def ask(
         sock.sendall(REQUEST.pack(slot, generation, offset, length))
     except OSError as exc:
         raise tcp.DataConnectionError(f"the node connection broke: {exc}") from exc
-    status = bytearray(1)
-    if not tcp.recv_into(sock, memoryview(status), stopped):
-        return False
-    if bytes(status) == STALE:
-        raise tcp.DataConnectionError(
-            f"the node no longer holds slot {slot} generation {generation} (the server let go "
-            "of the batch)"
-        )
-    if bytes(status) != OK:
-        raise tcp.DataConnectionError(f"not a node data server's answer: {bytes(status)!r}")
-    return True
+    return answer(sock, stopped)
 
 
 def fetch(
