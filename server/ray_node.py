@@ -16,6 +16,7 @@ import logging
 import queue
 import select
 import socket
+import struct
 import sys
 import threading
 from typing import Any
@@ -28,6 +29,8 @@ from remote_loader.server.collating import WorkerSlots
 
 log = logging.getLogger(__name__)
 
+# How long an event may wait for room on the server's watcher before the watch is given up.
+WATCH_SEND_TIMEOUT = 30.0
 # How often an idle stream's pusher looks whether its trainer has gone.
 IDLE_CHECK = 1.0
 # The actor's GIL switch interval while it serves batches (NOTE [ Serving beside the maker ]).
@@ -153,6 +156,11 @@ class NodeServer:
             try:
                 self._watcher.sendall(event)
             except OSError:
+                # Broken, or no room for WATCH_SEND_TIMEOUT (a server that stopped reading),
+                # maybe part-way: shut, so that the server takes this node as lost rather than
+                # read its events out of step.
+                with contextlib.suppress(OSError):
+                    self._watcher.shutdown(socket.SHUT_RDWR)
                 self._watcher = None
 
     def _answer(self, sock: socket.socket, nonce: bytes) -> bool:
@@ -164,6 +172,10 @@ class NodeServer:
         if slot >= node.REMADE_SLOTS and slot != node.WATCH:
             return self._answer_remade(sock, slot - node.REMADE_SLOTS, offset, length)
         if slot == node.WATCH:
+            # Its reads wait for PUSHes for good (it is quiet between them); its sends, of
+            # events from the pushers and the lane's thread, give up (SO_SNDTIMEO).
+            timeval = struct.pack("ll", int(WATCH_SEND_TIMEOUT), 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             with self._telling:  # the server's watcher, replacing any earlier one
                 self._watcher = sock
             return self._watch(sock)
@@ -281,6 +293,8 @@ class _Pusher:
         self.server = server
         self.nonce = nonce
         self.conns: list[socket.socket] = []
+        # The batches pushed and not yet written: each holds its slot's lease in the server
+        # until SERVED, so at most the pool's slots (no bound of its own needed).
         self.queue: queue.SimpleQueue[tuple[int, int, int, int]] = queue.SimpleQueue()
 
     def stopped(self) -> bool:

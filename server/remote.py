@@ -276,7 +276,11 @@ class NodeDirectory:
             with self._pushing:
                 watcher[0].sendall(push)
         except OSError:
-            return False  # its watcher broke: the watchers' thread finds the node lost
+            # Broken, or timed out part-way (the watcher's POLL_INTERVAL timeout): what the node
+            # reads next would be out of step. Shut, the watchers' thread finds the node lost.
+            with contextlib.suppress(OSError):
+                watcher[0].shutdown(socket.SHUT_RDWR)
+            return False
         return True
 
     def watched(self, address: Address) -> bool:
