@@ -66,6 +66,7 @@ Run from the repository root:
                                  [--workloads images,heavy,demo] [--plot FILE.png]
                                  [--train-step] [--client-threads N]
     python benchmarks/compare.py --quick        # smoke run: 10 batches, 1 round
+    python benchmarks/compare.py --device cuda  # where a GPU is: vs DataLoader(pin_memory=True)
     sudo python benchmarks/compare.py --cross-host [--link-rate 10gbit] [--tls]
 """
 
@@ -74,12 +75,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +199,9 @@ def compare(
     path = WORKLOADS[name]
     kwargs = dataset_kwargs(name, args)
     step = train_step if args.train_step else touch
+    local_step = step
+    if args.device != "cpu":
+        local_step = functools.partial(on_device, step=step, device=torch.device(args.device))
     dataset = resolve(path, "dataset")(**kwargs)
     alone = None
     if args.train_step:
@@ -212,6 +217,8 @@ def compare(
         num_workers=args.workers,
         persistent_workers=True,
         multiprocessing_context="forkserver",
+        # With a GPU, what a trainer writes: pinned batches, copied to it without blocking.
+        pin_memory=args.device != "cpu",
     )
     server = start_loader_server(path, kwargs, args.batch_size, args.workers, place)
     labels = loaders_for(place.link is not None)
@@ -238,7 +245,7 @@ def compare(
 
     tls = None if place.tls is None else TLS(ca=place.tls.ca)
     remote_loaders = {
-        label: RemoteLoader(server.address, device="cpu", transport=transport, tls=tls)
+        label: RemoteLoader(server.address, device=args.device, transport=transport, tls=tls)
         for label, transport in labels.items()
         if transport is not None
     }
@@ -246,7 +253,8 @@ def compare(
     try:
         for label, loader in loaders.items():
             epoch(f"warm-up, {label}")
-            run_epoch(loader, step)  # local: starts the fork server and the persistent workers
+            # local: starts the fork server and the persistent workers
+            run_epoch(loader, local_step if label == "local" else step)
             bar.update()
             if label != "local" and remote_loaders[label].last_transport != label:
                 raise RuntimeError(
@@ -256,7 +264,7 @@ def compare(
             for label, loader in loaders.items():
                 epoch(f"round {r}/{args.rounds}, {label}")
                 if label == "local":
-                    sides[label].timed_epoch(loader, workers_cpu, workers, step)
+                    sides[label].timed_epoch(loader, workers_cpu, workers, local_step)
                 else:
                     sides[label].timed_epoch(loader, served_cpu, served, step)
                 bar.update()
@@ -276,6 +284,23 @@ def compare(
     local = sides["local"]
     batch_bytes = -(-sum(e.nbytes for e in local.epochs) // local.batches)
     return Workload(sides, batch_bytes, alone, logged)
+
+
+def on_device(batch: Any, step: Callable[[Any], None], device: torch.device) -> None:
+    """The local side's loop with `--device cuda`: every tensor of the (pinned) batch copied to
+    the device without blocking, as a trainer does after `DataLoader(pin_memory=True)`, then
+    `step` on the copies (RemoteLoader hands its batches over on the device already)."""
+    step(_to(batch, device))
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
 
 
 def _workloads(text: str) -> list[str]:
@@ -341,6 +366,12 @@ def _parser() -> argparse.ArgumentParser:
         help="every server speaks TLS (a throwaway CA and certificate): the remote loaders, "
         "their data connections, and the raw grpcio and socket ceilings",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the training loop wants its batches: cpu (default), or cuda: the local "
+        "DataLoader pins and copies each batch there, RemoteLoader(device='cuda') delivers it",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 batches, 1 round")
     return parser
 
@@ -367,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--plot needs matplotlib: pip install '.[bench]'")
         if not Path(args.plot).resolve().parent.is_dir():
             raise SystemExit(f"--plot: no such directory for {args.plot!r}")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
     if args.cross_host:
         try:
             netns.check_prerequisites(rate=args.link_rate)
@@ -381,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = (
         f"batch {args.batch_size}, {args.workers} workers, {args.batches} batches/epoch{demo}, "
         f"{args.rounds} timed round(s), {args.client_threads} client thread(s), loop: {loop}"
+        f", batches on {args.device}" + " (local: pin_memory=True)" * (args.device != "cpu")
     )
     if "demo" in names:
         demo_folder()  # generated once into the cache, before either side reads it

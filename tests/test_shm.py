@@ -10,9 +10,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from remote_loader.client import RemoteLoader
+from remote_loader.client import RemoteLoader, assembly
 from remote_loader.protos import doorbell, shm, shm_probe
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.spec import LoaderSpec
@@ -329,6 +331,47 @@ def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
     firsts = sorted(int(row[0]) for batch in received for row in batch)
     assert firsts == list(range(36))
     assert all(bool((row == row[0]).all()) for batch in received for row in batch)
+
+
+@pytest.fixture
+def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
+    [ Copying a batch in ]), in stripes from 64 KiB; a pool of its own, shut down after."""
+    monkeypatch.setattr(assembly, "COPY_THREADS", 3)
+    monkeypatch.setattr(assembly, "COPY_STRIPE_MIN", 1 << 16)
+    monkeypatch.setattr(assembly, "_copy_pool", None)
+    yield
+    if assembly._copy_pool is not None:
+        assembly._copy_pool[1].shutdown()
+
+
+def copiers() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("rl-copy")}
+
+
+@pytest.mark.unit
+def test_a_large_copy_is_striped_over_threads_byte_for_byte(copy_threads: None) -> None:
+    src = np.frombuffer(random.Random(1).randbytes(3 * (1 << 16) + 7), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    assembly.copy_in(dst, src)
+    assert bytes(dst) == bytes(src)  # three stripes, the last one short
+    assert len(copiers()) == 2  # and this thread
+    small = np.zeros(1 << 16, dtype=np.uint8)
+    assembly.copy_in(small, src[: 1 << 16])  # under two stripes' worth: one plain copy
+    assert bytes(small) == bytes(src[: 1 << 16])
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_batches_copied_in_by_several_threads_arrive_whole(
+    serve_loaders: ServeLoaders, copy_threads: None, zero_copy: bool
+) -> None:
+    sizes = [(1 << 20) + 1000 * i for i in range(6)]
+    served = serve_loaders(sizes_spec(sizes), zero_copy=zero_copy)
+    with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
+        received = list(loader)
+        assert loader.last_transport == "shm"
+    assert_same(received, expected(sizes))
+    assert copiers()
 
 
 def test_no_room_for_a_ring_falls_back_to_grpc(
