@@ -4,7 +4,9 @@ Driven by the pool core (server/pool.py) like the local pool's worker processes,
 bridge process (NOTE [ Ray bridge ] in server/ray_bridge.py), which owns the actors: dispatch,
 the task ledger, supervision, the shortfall of a lost node (NOTE [ Capacity lost ] in
 server/pool_supervision.py) and autotuning are the core's. This module only turns the core's
-calls into the bridge's commands and the bridge's messages into Results, Ready and Short.
+calls into the bridge's commands (or a direct lane's messages) and the bridge's messages into
+Results, Ready and Short; what goes down a direct lane and comes up it, and the nodes that keep
+batches, are server/ray_direct.py's.
 
 NOTE [ Ray data path ]
 
@@ -65,17 +67,9 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
-import socket
-import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
-from remote_loader.protos import node as node_protocol
-from remote_loader.protos import slots as slot_protocol
-from remote_loader.server.collating import WorkerSlots
 from remote_loader.server.engine import WorkerDiedError, WorkerInitError
 from remote_loader.server.pool_backend import Event, Ready, Short
 from remote_loader.server.ray_bridge import (
@@ -92,17 +86,7 @@ from remote_loader.server.ray_bridge import (
     StartFailed,
     bridge_main,
 )
-from remote_loader.server.ray_lane import (
-    Lane,
-    Lanes,
-    SlotRef,
-    SlotSize,
-    open_slot,
-    recv_bytes_into,
-    recv_message,
-)
-from remote_loader.server.ray_node import Remake
-from remote_loader.server.remote import NodeDirectory, RemoteBatch
+from remote_loader.server.ray_direct import Attached, DirectLanes, LaneClosed
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
 from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
@@ -119,9 +103,8 @@ BRIDGE_JOIN_TIMEOUT = 10.0
 @dataclasses.dataclass
 class _Actor:
     """What the server knows of one worker's actor: its incarnation, whether it has started
-    (Placed) and, once it died, why and what it was making. An actor on this host may have a
-    lane (NOTE [ Ray direct lane ] in server/ray_lane.py): its tasks sent down it and not yet
-    answered, in the order sent, and, until it has started, the messages for it (whether
+    (Placed) and, once it died, why and what it was making. It may have a direct lane (`end`,
+    server/ray_direct.py); until it has started, the messages for it wait in `pending` (whether
     they go down a lane or to the bridge is known only then)."""
 
     incarnation: int
@@ -129,43 +112,15 @@ class _Actor:
     alive: bool = True
     making: int = -1
     death: str = ""
-    lane: Lane | None = None
-    # A COPY lane's batches: slots this process receives them into (server/collating.py).
-    copies: WorkerSlots | None = None
-    # ... with what each asks (epoch key, indices, seed): a KEEP lane's batch may be made again
-    # (NOTE [ Node lost ] in server/remote.py).
-    unanswered: dict[int, tuple[int, Any, int | None]] = dataclasses.field(default_factory=dict)
-    # A KEEP lane's: its data server's address, from its first Result.
-    node: tuple[str, int] | None = None
+    end: Attached | None = None
     pending: list[EpochStart | Task] = dataclasses.field(default_factory=list)
-
-    def attach(self, lane: Lane | None) -> None:
-        self.lane = lane
-        if lane is not None and lane.copy:
-            self.copies = WorkerSlots(read_here=True)
 
     def died(self, reason: str, making: int) -> None:
         self.alive, self.death, self.making = False, reason, making
-        if self.lane is not None:
-            self.lane.conn.close()
-            self.lane = None
+        if self.end is not None:
+            self.end.close()
+            self.end = None
         self.pending.clear()
-
-
-def lane_host(address: str | None) -> str | None:
-    """This host's address as the cluster at `address` reaches it (the local end of a route to
-    its head), for actors of other hosts to attach their lanes to; None for a local instance
-    or "auto" (actors of this host only reach the Unix listener)."""
-    if address is None or address == "auto":
-        return None
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))  # a UDP connect sends nothing: it picks a route
-            local: str = probe.getsockname()[0]
-            return local
-    except (OSError, ValueError):
-        return None
 
 
 class RayBackend:
@@ -195,17 +150,13 @@ class RayBackend:
         self._results: multiprocessing.connection.Connection | None = None
         self._next_incarnation = itertools.count()
         self._placed = 0  # actors the bridge placed at start: incarnations 0..placed-1
-        # Lanes of this host's actors (`direct`, the server's ray_direct setting).
+        # Direct lanes (the server's ray_direct setting); actors of other hosts keep their
+        # batches for trainers to fetch (KEEP lanes, NOTE [ Node data connection ] in
+        # protos/node.py) unless ray_node_fetch is off.
         self._direct = direct
-        # Actors of other hosts keep their batches for trainers to fetch (KEEP lanes, NOTE
-        # [ Node data connection ] in protos/node.py): the server's ray_node_fetch setting.
         self._node_fetch = node_fetch
         self._record = record  # bytes of batches made elsewhere, by path ("server", "node")
-        self._directory: NodeDirectory | None = None
-        # Lanes are written by the pool's thread and, for a batch made again, by the
-        # directory's (NOTE [ Node lost ] in server/remote.py).
-        self._sending = threading.Lock()
-        self._lanes: Lanes | None = None
+        self._lanes: DirectLanes | None = None
         self._attached: tuple[bool, ...] = ()  # of the actors placed at start
         # Per worker id: what this side knows of its actor.
         self._actors: list[_Actor] = []
@@ -236,23 +187,23 @@ class RayBackend:
             "copied": self.copied,
             "kept": self.kept,
             # NOTE [ Node lost ] in server/remote.py: batches made again after their actor was.
-            "remade": 0 if self._directory is None else self._directory.remade,
+            "remade": 0 if self._lanes is None else self._lanes.remade,
         }
 
     @property
     def direct(self) -> int:
         """Actors whose batches come on a direct lane (NOTE [ Ray direct lane ])."""
-        return sum(a.lane is not None for a in self._actors)
+        return sum(a.end is not None for a in self._actors)
 
     @property
     def kept(self) -> int:
         """... of them, those that keep their batches for trainers to fetch (KEEP)."""
-        return sum(a.lane is not None and a.lane.keep for a in self._actors)
+        return sum(a.end is not None and a.end.lane.keep for a in self._actors)
 
     @property
     def copied(self) -> int:
         """... of them, those whose batches come on it as bytes (COPY)."""
-        return sum(a.copies is not None for a in self._actors)
+        return sum(a.end is not None and a.end.copies is not None for a in self._actors)
 
     def start(self) -> None:
         """Starts the bridge, which connects and places actors 0..num_workers-1;
@@ -261,10 +212,7 @@ class RayBackend:
         commands_reader, self._commands = self._ctx.Pipe(duplex=False)
         self._results, results_writer = self._ctx.Pipe(duplex=False)
         if self._direct:
-            self._lanes = Lanes(lane_host(self.address), keep=self._node_fetch)
-            if self._node_fetch:
-                key = node_protocol.node_key(self._lanes.address.secret)
-                self._directory = NodeDirectory(key, self._record, self._remake)
+            self._lanes = DirectLanes(self.address, self._node_fetch, self._record, self._live)
         cfg = BridgeConfig(
             self.spec,
             self.batching,
@@ -325,15 +273,20 @@ class RayBackend:
             self._command(Spawn(worker_id, num_workers, incarnation))
         actor = _Actor(incarnation, ready=placed)
         if placed and self._attached[incarnation]:
-            actor.attach(self._take_lane(incarnation))
+            actor.end = self._take_lane(incarnation)
         if worker_id == self.workers:
             self._actors.append(actor)
         else:
             self._actors[worker_id] = actor
         return incarnation
 
-    def _take_lane(self, incarnation: int) -> Lane | None:
+    def _take_lane(self, incarnation: int) -> Attached | None:
         return None if self._lanes is None else self._lanes.take(incarnation)
+
+    def _live(self) -> list[Attached]:
+        """The lanes of the actors alive now (the directory's thread: a batch lost with its
+        node is made again down one of them)."""
+        return [a.end for a in list(self._actors) if a.alive and a.end is not None]
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
         actor = self._actors[worker_id]
@@ -342,18 +295,12 @@ class RayBackend:
         if not actor.ready and self._lanes is not None:
             actor.pending.append(message)  # lane or bridge: known once it has started
             return
-        if actor.lane is None:
+        if actor.end is None or self._lanes is None:
             self._command(Send(worker_id, message))
             return
-        if isinstance(message, Task):
-            actor.unanswered[message.task_id] = (message.epoch_key, message.indices, message.seed)
-            if actor.copies is not None:  # the slots are this process's, not the actor's
-                actor.copies.release(message.released)
-                message = dataclasses.replace(message, released=())
         try:
-            with self._sending:
-                actor.lane.conn.send(message)
-        except OSError:
+            self._lanes.send(actor.end, message)
+        except LaneClosed:
             self._lane_closed(worker_id)
 
     def set_epoch(self, key: int) -> None:
@@ -361,14 +308,14 @@ class RayBackend:
 
     def receive(self, timeout: float) -> Iterator[Event]:
         assert self._bridge is not None and self._results is not None
-        lanes = {a.lane.conn: w for w, a in enumerate(self._actors) if a.lane is not None}
-        waited: list[Any] = [self._results, self._bridge.sentinel, *lanes]
+        ends = {a.end.lane.conn: w for w, a in enumerate(self._actors) if a.end is not None}
+        waited: list[Any] = [self._results, self._bridge.sentinel, *ends]
         ready = multiprocessing.connection.wait(waited, timeout)
         if self._bridge.sentinel in ready:
             raise self._gone()
-        for lane, worker_id in lanes.items():
-            if lane in ready:
-                yield from self._from_lane(worker_id, lane)
+        for conn, worker_id in ends.items():
+            if conn in ready:
+                yield from self._from_lane(worker_id)
         if self._results not in ready:
             return
         # One message at a time: one the core does not take (it returned an outcome) stays in
@@ -382,107 +329,25 @@ class RayBackend:
             if event is not None:
                 yield event
 
-    def _from_lane(self, worker_id: int, conn: Connection) -> Iterator[Event]:
+    def _from_lane(self, worker_id: int) -> Iterator[Event]:
         """The Results waiting on an actor's lane; its death when the lane has closed."""
-        actor = self._actors[worker_id]
-        while actor.lane is not None and actor.lane.conn is conn and conn.poll():
-            try:
-                result = recv_message(conn)  # never waits on a stalled actor for good
-                ref = result.new_buffer
-                if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
-                    result = dataclasses.replace(result, new_buffer=open_slot(ref))
-                elif actor.copies is not None and result.total_nbytes:
-                    result = self._copied(actor.copies, conn, result)
-                    self._record("server", result.total_nbytes)
-                elif result.node is not None:
-                    result = self._kept_on_node(worker_id, result)
-            except TimeoutError as exc:
+        end = self._actors[worker_id].end
+        assert end is not None and self._lanes is not None
+        try:
+            yield from self._lanes.results(end)
+        except LaneClosed as closed:
+            if closed.stalled:
                 # Stalled mid-batch (a stopped process, a partitioned node): it is stopped, so
                 # that it does not hold its CPUs beside its replacement.
                 self._command(Kill(worker_id))
-                self._lane_closed(worker_id, f"{exc} (a stopped process or a lost node?)")
-                return
-            except (EOFError, OSError):
-                self._lane_closed(worker_id)
-                return
-            actor.unanswered.pop(result.task_id, None)
-            yield result
-
-    def _kept_on_node(self, worker_id: int, result: Result) -> Result:
-        """A KEEP lane's Result: its batch stays in the actor's slot; the pool gets room for it
-        here (a buffer as large as each new slot) and its handle (NOTE [ Node data
-        connection ] in protos/node.py)."""
-        assert self._directory is not None and result.node is not None
-        if isinstance(result.new_buffer, SlotSize):
-            # Shared from the start: the pool's slot table shares it (server/slots.py), which
-            # would move a private tensor's memory from under the views taken before.
-            room = torch.empty(result.new_buffer.size, dtype=torch.uint8).share_memory_()
-            result = dataclasses.replace(result, new_buffer=room)
-        host, port = result.node
-        actor = self._actors[worker_id]
-        actor.node = (host, port)
-        if result.total_nbytes:
-            kept = self._directory.kept(
-                (host, port),
-                result.slot,
-                result.generation,
-                result.offset,
-                result.total_nbytes,
-                result.header_nbytes,
-                actor.unanswered.get(result.task_id),
-            )
-            result = dataclasses.replace(result, remote=kept)
-        return result
-
-    def _remake(self, batch: RemoteBatch, remake_id: int) -> tuple[str, int] | None:
-        """Sends `batch` to be made again by a live actor on a KEEP lane elsewhere than where it
-        was lost (the directory's thread); that actor's node, or None when none can now."""
-        if batch.task is None:
-            return None
-        epoch_key, indices, seed = batch.task
-        for actor in list(self._actors):
-            lane = actor.lane
-            if not actor.alive or lane is None or not lane.keep or actor.node is None:
-                continue
-            if actor.node == batch.address:
-                continue
-            try:
-                with self._sending:
-                    lane.conn.send(Remake(remake_id, epoch_key, indices, seed))
-            except OSError:
-                continue  # closed meanwhile: the pool's thread finds it
-            return actor.node
-        return None
-
-    @staticmethod
-    def _copied(slots: WorkerSlots, conn: Connection, result: Result) -> Result:
-        """A COPY lane's batch, which follows its Result: received straight into a slot."""
-        taken = slots.take(result.total_nbytes)
-        try:
-            blob = taken.blob(result.total_nbytes).numpy().data
-            got = recv_bytes_into(conn, blob)
-        except BaseException:
-            slots.give_back(taken)
-            raise
-        if got != result.total_nbytes:
-            slots.give_back(taken)
-            raise OSError(f"a {got}-byte batch where its Result said {result.total_nbytes}")
-        slots.written(taken)
-        new_buffer, dropped = slots.announce(taken.slot)
-        return dataclasses.replace(
-            result,
-            slot=taken.slot,
-            offset=slot_protocol.SLOT_HEADER,
-            new_buffer=new_buffer,
-            dropped=dropped,
-            generation=taken.generation,
-        )
+            if self._actors[worker_id].end is end:
+                self._lane_closed(worker_id, closed.why)
 
     def _lane_closed(self, worker_id: int, why: str = "") -> None:
         """An actor's lane closed (or stalled: `why`): it died, making the first task sent to
         it and not answered."""
         actor = self._actors[worker_id]
-        making = next(iter(actor.unanswered), -1)
+        making = -1 if actor.end is None else actor.end.making
         why = why or (
             "its lane to the server closed (its process ended: killed, out of memory, or "
             "exited in the dataset)"
@@ -503,7 +368,7 @@ class RayBackend:
             actor = self._actors[message.worker_id]
             actor.ready = True
             if message.attached:
-                actor.attach(self._take_lane(message.incarnation))
+                actor.end = self._take_lane(message.incarnation)
             pending, actor.pending = actor.pending, []
             for held in pending:
                 self.send(message.worker_id, held)
@@ -543,8 +408,8 @@ class RayBackend:
     def retire_last(self) -> None:
         self._command(Retire())
         actor = self._actors.pop()
-        if actor.lane is not None:
-            actor.lane.conn.close()
+        if actor.end is not None:
+            actor.end.close()
 
     def _command(self, message: object) -> None:
         try:
@@ -575,12 +440,9 @@ class RayBackend:
                 end.close()
         self._commands = self._results = None
         for actor in self._actors:
-            if actor.lane is not None:
-                actor.lane.conn.close()
-                actor.lane = None
+            if actor.end is not None:
+                actor.end.close()
+                actor.end = None
         if self._lanes is not None:
             self._lanes.close()
             self._lanes = None
-        if self._directory is not None:
-            self._directory.close()
-            self._directory = None
