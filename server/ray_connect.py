@@ -43,6 +43,8 @@ from typing import Any
 PROBE_TIMEOUT = 5.0
 # How long ray.init may take against a cluster that did answer the probe.
 CONNECT_TIMEOUT = 20.0
+# What the probe asks a GCS: cheap, and in every Ray this project supports (2.40 and later).
+GCS_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 # How long the bridge waits for the CPUs its actors ask to be free before it says which are
 # missing (a cluster may be finishing other work, or an autoscaler adding a node).
 CAPACITY_TIMEOUT = 10.0
@@ -105,12 +107,24 @@ def probe(address: str) -> None:
     channel = grpc.insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=PROBE_TIMEOUT)
+        # A Ray GCS knows Ray's node service; any other gRPC server answers UNIMPLEMENTED,
+        # which ray.init would find only by retrying for minutes (CONNECT_TIMEOUT cuts that at
+        # 20 s). The request is an empty message; any other answer (a token refused, a slow
+        # GCS) is ray.init's to judge.
+        channel.unary_unary(GCS_PROBE_METHOD, None, None)(b"", timeout=PROBE_TIMEOUT)
     except grpc.FutureTimeoutError:
         raise ConnectionError(
             f"something accepts connections at {address} but does not answer as a Ray cluster "
             f"(no gRPC handshake within {PROBE_TIMEOUT:g} s); ray_address must be the head's "
             "GCS address (`ray start --head` prints it; port 6379 by default)"
         ) from None
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise ConnectionError(
+                f"a gRPC server answers at {address}, but it is not a Ray cluster's GCS (it "
+                f"does not know {GCS_PROBE_METHOD}); ray_address must be the head's GCS "
+                "address (`ray start --head` prints it; port 6379 by default)"
+            ) from None
     finally:
         channel.close()
 
