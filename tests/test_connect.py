@@ -84,7 +84,7 @@ def test_a_server_killed_mid_epoch_ends_in_connection_lost_within_the_bound(
         "--num-workers",
         "2",
     )
-    policy: Policy = {"retries": 2, "backoff": 0.2, "connect_timeout": 2.0}
+    policy: Policy = {"retries": 2, "backoff": 0.2, "connect_timeout": 1.0}
     try:
         with RemoteLoader(address, device="cpu", transport=transport, prefetch=1, **policy) as rl:
             it = iter(rl)
