@@ -2,6 +2,7 @@ r"""The Ray pool across hosts, simulated with network namespaces on this machine
 the bytes through the coordinator's interface, and 1 vs 2 worker nodes.
 
     python benchmarks/ray_hosts.py [--batches 40] [--batch-size 16] [--nodes 1,2]   # as root
+        [--workload images|heavy] [--node-cpus 0.4]
 
 Layout: a bridge in the root namespace, where this process is the trainer, and on it one
 namespace per host, each with one veth end and an address of 10.213.77.0/24:
@@ -16,6 +17,11 @@ Every Ray process also runs in a PID namespace of its own (`unshare --pid --fork
 --mount-proc`), as on separate hosts: the server cannot map an actor's memory through /proc, so
 each actor attaches a KEEP lane to the server's TCP listener and the trainer fetches each batch
 from the node that made it (NOTE [ Node data connection ] in protos/node.py).
+`--node-cpus F` confines each worker node's processes, once the node has joined, to F of a core
+(a cgroup's CPU quota, as a host with that many cores): on one machine the nodes otherwise
+share its cores with each other, the server and the trainer, and a second node adds no CPU;
+`--workload heavy` (a few ms of convolutions per sample, benchmarks/workloads.py) makes the
+nodes' CPU what bounds an epoch.
 `--through-server` sets ray_node_fetch = false: COPY lanes, every batch sent to the server on
 its actor's lane (NOTE [ Ray direct lane ] in server/ray_lane.py); `--through-store` sets
 ray_direct = false: the batches go through Ray's object store and the bridge. Nothing here uses
@@ -56,7 +62,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from benchmarks.netns import _taken_networks  # noqa: E402
 from benchmarks.processes import subprocess_env  # noqa: E402
-from benchmarks.workloads import Images  # noqa: E402
+from benchmarks.workloads import Heavy, Images  # noqa: E402
 from remote_loader.client import RemoteLoader  # noqa: E402
 
 NETWORK = ipaddress.IPv4Network("10.213.77.0/24")
@@ -65,6 +71,10 @@ HOSTS = {"coord": 2, "node1": 3, "node2": 4}
 RAY_PORT = 6379
 PRIVATE_SHM = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
 CONTAINED = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+WORKLOADS = {"images": Images, "heavy": Heavy}
+# cgroup v1's CPU controller (this machine's); each worker node gets a group under it.
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+CFS_PERIOD_US = 100_000
 
 
 def ip(host: str) -> str:
@@ -105,6 +115,17 @@ class Hosts:
         self.procs.append(proc)
         return proc
 
+    def confine(self, host: str, cpus: float) -> None:
+        """Every process of `host` now, and those they start, into a CPU cgroup of the host's
+        own with a quota of `cpus` cores."""
+        group = CPU_CGROUP / f"rlh-{host}"
+        group.mkdir(exist_ok=True)
+        (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(round(cpus * CFS_PERIOD_US)))
+        for pid in run(["ip", "netns", "pids", f"rlh-{host}"]).split():
+            with contextlib.suppress(ProcessLookupError, OSError):  # ended meanwhile
+                (group / "cgroup.procs").write_text(pid)
+
     def counters(self, host: str) -> tuple[int, int]:
         """Bytes received and sent by the host's interface."""
         (info,) = json.loads(
@@ -131,6 +152,11 @@ class Hosts:
             subprocess.run(["ip", "netns", "del", f"rlh-{host}"], capture_output=True)
             subprocess.run(["ip", "link", "del", f"rlh{host}o"], capture_output=True)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+        for host in HOSTS:
+            group = CPU_CGROUP / f"rlh-{host}"
+            if group.is_dir():
+                with contextlib.suppress(OSError):  # still has tasks: left for the next run
+                    group.rmdir()
 
 
 def ray_env(tmp: str) -> dict[str, str]:
@@ -155,7 +181,9 @@ def wait_for(what: str, check: Any, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def cluster(hosts: Hosts, nodes: int, env: dict[str, str]) -> Iterator[str]:
+def cluster(
+    hosts: Hosts, nodes: int, env: dict[str, str], node_cpus: float | None
+) -> Iterator[str]:
     """A Ray head in coord and `nodes` worker nodes, each in a PID namespace of its own."""
     head, port = ip("coord"), RAY_PORT + nodes  # a fresh port: the last head may be going
     quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
@@ -185,6 +213,8 @@ def cluster(hosts: Hosts, nodes: int, env: dict[str, str]) -> Iterator[str]:
         wait_for("the Ray head", lambda: "Resources" in cpus(), 60)
         for k in range(1, nodes + 1):
             name = f"node{k}"
+            own = Path(env["RAY_TMPDIR"]) / name  # its `ray start` log
+            own.mkdir(exist_ok=True)
             started.append(
                 hosts.start(
                     name,
@@ -196,16 +226,24 @@ def cluster(hosts: Hosts, nodes: int, env: dict[str, str]) -> Iterator[str]:
                         "--num-cpus=2",
                     ],
                     env,
-                    **quiet,
+                    stdout=(own / "ray-start.log").open("w"),
+                    stderr=subprocess.STDOUT,
                 )
             )
-        try:
-            wait_for(f"{nodes} worker node(s)", lambda: f"/{2 * nodes}.0 CPU" in cpus(), 180)
-        except RuntimeError:
-            # Within 90 s, two nodes failed to join in six of twelve starts on the 2-core
-            # machine; 180 s since. Still none: rerun.
-            print(f"`ray status` said:\n{cpus()}", file=sys.stderr)
-            raise
+            # One node at a time: started together, the second's raylet often missed the
+            # 30 s its `ray start` gives it to register (six of twelve two-node starts on the
+            # 2-core machine), and a node confined to half a core always did.
+            try:
+                joined = f"/{2 * k}.0 CPU"
+                wait_for(f"worker node {k}", lambda joined=joined: joined in cpus(), 120)
+            except RuntimeError:
+                print(f"`ray status` said:\n{cpus()}", file=sys.stderr)
+                print(f"its `ray start` said:\n{(own / 'ray-start.log').read_text()[-3000:]}")
+                raise
+        if node_cpus is not None:
+            # Once started: what a node does from now on runs on `node_cpus` cores.
+            for k in range(1, nodes + 1):
+                hosts.confine(f"node{k}", node_cpus)
         yield f"{head}:{port}"
     finally:
         for proc in started:
@@ -214,15 +252,22 @@ def cluster(hosts: Hosts, nodes: int, env: dict[str, str]) -> Iterator[str]:
 
 
 def serve(
-    hosts: Hosts, args: argparse.Namespace, ray_address: str, nodes: int, env: dict[str, str]
+    hosts: Hosts,
+    args: argparse.Namespace,
+    ray_address: str,
+    nodes: int,
+    env: dict[str, str],
+    log: Any,
 ) -> tuple[subprocess.Popen[str], str]:
+    """The server in coord, logging at INFO into the file `log` (a pipe nobody reads while the
+    epochs run would fill and stop it)."""
     text = f"""
 [server]
 ray_address = "{ray_address}"
 ray_direct = {"false" if args.through_store else "true"}
 ray_node_fetch = {"false" if args.through_server else "true"}
-[loaders.images]
-dataset = "benchmarks.workloads:Images"
+[loaders.bench]
+dataset = "benchmarks.workloads:{WORKLOADS[args.workload].__name__}"
 dataset_kwargs = {{ n = {args.batches * args.batch_size} }}
 batch_size = {args.batch_size}
 num_workers = {2 * nodes}
@@ -250,33 +295,40 @@ ray_num_cpus = 1
         ["unshare", "-m", "sh", "-c", PRIVATE_SHM, "sh", *argv],
         env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # "remote-loader: serving ... on port N"
     if "port" not in line:
         proc.kill()
-        raise RuntimeError(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
+        log.seek(0)
+        raise RuntimeError(f"the server did not start: {log.read()}")
     return proc, f"{ip('coord')}:{line.strip().rsplit(' ', 1)[-1]}"
 
 
 def expected(args: argparse.Namespace) -> list[Any]:
-    dataset: Any = Images(args.batches * args.batch_size)  # map-style by protocol, not class
+    # Map-style by protocol, not class.
+    dataset: Any = WORKLOADS[args.workload](args.batches * args.batch_size)
     return list(DataLoader(dataset, batch_size=args.batch_size))
 
 
-def same(got: list[Any], want: list[Any]) -> bool:
-    return len(got) == len(want) and all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
-    )
+def same(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    if isinstance(want, list | tuple):
+        return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True))
+    return bool(got == want)
 
 
 def measure(hosts: Hosts, args: argparse.Namespace, nodes: int, env: dict[str, str]) -> str:
-    with cluster(hosts, nodes, env) as ray_address:
-        server, address = serve(hosts, args, ray_address, nodes, env)
+    with (
+        cluster(hosts, nodes, env, args.node_cpus) as ray_address,
+        tempfile.TemporaryFile("w+") as log,
+    ):
+        server, address = serve(hosts, args, ray_address, nodes, env, log)
         try:
-            with RemoteLoader(address, "images", transport="auto", device="cpu") as loader:
+            with RemoteLoader(address, "bench", transport="auto", device="cpu") as loader:
                 list(loader)  # warm-up: the actors' first slots, the connections
                 rx0, tx0 = hosts.counters("coord")
                 start = time.perf_counter()
@@ -286,7 +338,9 @@ def measure(hosts: Hosts, args: argparse.Namespace, nodes: int, env: dict[str, s
                 stats = loader.stats()
         finally:
             server.send_signal(signal.SIGTERM)
-            _, err = server.communicate(timeout=60)
+            server.communicate(timeout=60)
+            log.seek(0)
+            err = log.read()
     lanes = next(
         (line.split(": ", 1)[-1] for line in err.splitlines() if "Ray actor(s)" in line), "?"
     )
@@ -304,16 +358,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--nodes", default="1,2")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="images")
+    parser.add_argument(
+        "--node-cpus",
+        type=float,
+        help="confine each worker node to this many cores (a CPU cgroup's quota)",
+    )
     parser.add_argument("--through-store", action="store_true")
     parser.add_argument("--through-server", action="store_true")
     args = parser.parse_args(argv)
+    if args.node_cpus is not None and not (
+        0.01 <= args.node_cpus <= (os.cpu_count() or 1) and (CPU_CGROUP / "tasks").exists()
+    ):
+        raise SystemExit(
+            f"--node-cpus {args.node_cpus:g}: needs a value from 0.01 to the machine's "
+            f"{os.cpu_count()} cores and cgroup v1's CPU controller at {CPU_CGROUP}"
+        )
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (iproute2, util-linux)")
     print(
-        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; images, "
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; {args.workload}, "
         f"{args.batches} batches of {args.batch_size}; server and Ray head in a namespace, "
-        "worker nodes (2 CPUs, 2 actors each) in others, the trainer in the root one; "
+        "worker nodes (2 CPUs, 2 actors each"
+        + ("" if args.node_cpus is None else f", confined to {args.node_cpus:g} of a core")
+        + ") in others, the trainer in the root one; "
         + (
             "through Ray's object store"
             if args.through_store
