@@ -79,18 +79,6 @@ def start_server(serve_loaders: ServeLoaders) -> StartServer:
     return start
 
 
-@pytest.fixture(scope="session")
-def contained_cluster() -> Iterator[Any]:
-    """One tests.test_ray.ContainedCluster (a Ray node in a PID namespace of its own) for the
-    session: it takes 15-20 s to start, and each module that uses it runs its own servers on
-    it, stopped at the module's end, so their actors free its CPUs for the next."""
-    from tests.test_ray import ContainedCluster  # imports Ray: only where it is used
-
-    cluster = ContainedCluster()
-    yield cluster
-    cluster.shutdown()
-
-
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This environment for a child process that imports `tests.*`: the repository first on
     PYTHONPATH, an existing PYTHONPATH (an install made with --target) kept after it."""

@@ -70,29 +70,32 @@ def link() -> Iterator[Link]:
 
 @pytest.fixture(scope="module")
 def servers(
-    link: Link, tmp_path_factory: pytest.TempPathFactory, contained_cluster: ContainedCluster
+    link: Link, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Server, Server]]:
     """One server whose trainers fetch from the node (the default), one told not to."""
-    cluster = contained_cluster
-    fetching = ServerSettings(address=f"{link.client_ip}:0", ray_address=cluster.address)
-    copying = ServerSettings(
-        address=f"{link.client_ip}:0", ray_address=cluster.address, ray_node_fetch=False
-    )
-    readers = str(tmp_path_factory.mktemp("readers") / "pids")
-    # 8 MB batches: a trainer that stops reading fills its connections' buffers with a few,
-    # and the pool makes more ahead, which wait on their node.
-    slow = spec(
-        "slow",
-        dataset="tests.datasets:Logged",
-        dataset_kwargs={"n": 24, "nbytes": 8 << 20, "log": readers},
-    )
-    loaders = [spec("kept"), slow]
-    with Server(fetching, loaders) as kept, Server(copying, [spec("copied")]) as copied:
-        assert kept.hosts["kept"].pool_info["kept"] == 2, kept.hosts["kept"].pool_info
-        assert copied.hosts["copied"].pool_info["copied"] == 2, copied.hosts["copied"].pool_info
-        yield kept, copied
-        kept.stop(0)
-        copied.stop(0)
+    cluster = ContainedCluster()
+    try:
+        fetching = ServerSettings(address=f"{link.client_ip}:0", ray_address=cluster.address)
+        copying = ServerSettings(
+            address=f"{link.client_ip}:0", ray_address=cluster.address, ray_node_fetch=False
+        )
+        readers = str(tmp_path_factory.mktemp("readers") / "pids")
+        # 8 MB batches: a trainer that stops reading fills its connections' buffers with a few,
+        # and the pool makes more ahead, which wait on their node.
+        slow = spec(
+            "slow",
+            dataset="tests.datasets:Logged",
+            dataset_kwargs={"n": 24, "nbytes": 8 << 20, "log": readers},
+        )
+        loaders = [spec("kept"), slow]
+        with Server(fetching, loaders) as kept, Server(copying, [spec("copied")]) as copied:
+            assert kept.hosts["kept"].pool_info["kept"] == 2, kept.hosts["kept"].pool_info
+            assert copied.hosts["copied"].pool_info["copied"] == 2, copied.hosts["copied"].pool_info
+            yield kept, copied
+            kept.stop(0)
+            copied.stop(0)
+    finally:
+        cluster.shutdown()
 
 
 @pytest.mark.timeout(300)

@@ -91,10 +91,10 @@ def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     ray_address = None
-    cluster: Cluster | None = None  # this fixture's own, shut down after
+    cluster: Cluster | ContainedCluster | None = None
     if request.param == "ray-node":
-        contained: ContainedCluster = request.getfixturevalue("contained_cluster")
-        ray_address = contained.address
+        cluster = ContainedCluster()
+        ray_address = cluster.address
     elif request.param != "local":
         cluster = start_cluster(2)
         ray_address = cluster.address
@@ -114,7 +114,7 @@ def served(
             server.stop(0)
     finally:
         if cluster is not None:
-            cluster.shutdown()  # type: ignore[no-untyped-call]
+            cluster.shutdown()
 
 
 def persistent_pool(server: Server, name: str) -> WorkerPool:
