@@ -28,6 +28,8 @@ from remote_loader.protos.buffers import BufferPool
 # large copy is cut into stripes of at least COPY_STRIPE_MIN bytes, one per thread of a small
 # pool. Only where the host has cores to spare: a quarter of this process's CPUs, at most 4; on
 # a 2-core box the copy stays on one thread, beside the server's workers.
+# The pool (COPY_THREADS - 1 threads, made at the first striped copy) lives as long as the
+# process, idle between batches, and is joined at its exit like any ThreadPoolExecutor's.
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)) // 4)
 COPY_STRIPE_MIN = 1 << 20
 
