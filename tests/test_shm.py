@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader, assembly
-from remote_loader.protos import doorbell, shm, shm_probe
+from remote_loader.protos import doorbell, shm, shm_probe, tcp
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.spec import LoaderSpec
 from tests.conftest import (
@@ -336,9 +336,8 @@ def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
 @pytest.fixture
 def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
-    [ Copying a batch in ]), in stripes from 64 KiB; a pool of its own, shut down after."""
+    [ Copying a batch in ]); a pool of its own, shut down after."""
     monkeypatch.setattr(assembly, "COPY_THREADS", 3)
-    monkeypatch.setattr(assembly, "COPY_STRIPE_MIN", 1 << 16)
     monkeypatch.setattr(assembly, "_copy_pool", None)
     yield
     if assembly._copy_pool is not None:
@@ -351,21 +350,21 @@ def copiers() -> set[str]:
 
 @pytest.mark.unit
 def test_a_large_copy_is_striped_over_threads_byte_for_byte(copy_threads: None) -> None:
-    src = np.frombuffer(random.Random(1).randbytes(3 * (1 << 16) + 7), dtype=np.uint8)
+    src = np.frombuffer(random.Random(1).randbytes(3 * tcp.MIN_STRIPE + 7), dtype=np.uint8)
     dst = np.zeros_like(src)
     assembly.copy_in(dst, src)
-    assert bytes(dst) == bytes(src)  # three stripes, the last one short
+    assert bytes(dst) == bytes(src)  # three stripes of uneven sizes
     assert len(copiers()) == 2  # and this thread
-    small = np.zeros(1 << 16, dtype=np.uint8)
-    assembly.copy_in(small, src[: 1 << 16])  # under two stripes' worth: one plain copy
-    assert bytes(small) == bytes(src[: 1 << 16])
+    small = np.zeros(tcp.MIN_STRIPE, dtype=np.uint8)
+    assembly.copy_in(small, src[: tcp.MIN_STRIPE])  # under two stripes' worth: one plain copy
+    assert bytes(small) == bytes(src[: tcp.MIN_STRIPE])
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_batches_copied_in_by_several_threads_arrive_whole(
     serve_loaders: ServeLoaders, copy_threads: None, zero_copy: bool
 ) -> None:
-    sizes = [(1 << 20) + 1000 * i for i in range(6)]
+    sizes = [2 * tcp.MIN_STRIPE + 1000 * i for i in range(6)]  # two stripes each
     served = serve_loaders(sizes_spec(sizes), zero_copy=zero_copy)
     with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
         received = list(loader)
