@@ -136,6 +136,7 @@ class Raw:
         self.socket: dict[str, list[float]] = {}
         self._buffers: dict[int, memoryview] = {}
         self._stack = contextlib.ExitStack()
+        self.sender_pid = 0  # the raw socket's sender process, once entered
 
     def __enter__(self) -> Raw:
         place = self.place
@@ -156,6 +157,7 @@ class Raw:
             )
             proc, port = _start("socket-sender", place)
             stack.callback(stop_process, proc)
+            self.sender_pid = proc.pid
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             tcp.tune(sock)  # before connecting, as the client's end of a data connection
             sock.connect((place.host, port))
@@ -173,7 +175,7 @@ class Raw:
         """One round of each: `batches` raw grpcio messages, and raw socket buffers of `nbytes`
         (a batch of workload `name`); kept unless not `timed` (a warm-up)."""
         grpc_rate = self._grpc_round(batches)
-        socket_rate = self._socket_round(nbytes, max(batches, math.ceil(MIN_ROUND_BYTES / nbytes)))
+        socket_rate = self.socket_round(nbytes, max(batches, math.ceil(MIN_ROUND_BYTES / nbytes)))
         if timed:
             self.grpc.append(grpc_rate)
             self.socket.setdefault(name, []).append(socket_rate)
@@ -184,7 +186,8 @@ class Raw:
         nbytes = sum(len(m) for m in stream)
         return nbytes / GB / (time.perf_counter() - start)
 
-    def _socket_round(self, nbytes: int, count: int) -> float:
+    def socket_round(self, nbytes: int, count: int) -> float:
+        """GB/s of `count` raw socket buffers of `nbytes`, received by this process."""
         if nbytes not in self._buffers:  # preallocated and touched, reused
             self._buffers[nbytes] = memoryview(bytearray([1]) * nbytes)
         view = self._buffers[nbytes]

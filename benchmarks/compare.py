@@ -105,6 +105,7 @@ from benchmarks.measure import Side, run_epoch, step_alone, touch, train_step  #
 from benchmarks.processes import (  # noqa: E402
     Placement,
     Served,
+    loadavg,
     serve_at,
     tree_cpu,
     tree_pids,
@@ -376,11 +377,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _loadavg() -> str:
-    """The load averages of /proc/loadavg (1, 5, 15 min): the machine may be shared."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.quick:
@@ -429,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             f"DataLoader in-process vs RemoteLoader {place.describe()}: {settings} "
             f"(medians; CPU s per epoch)\n{where}\n{os.cpu_count()} CPUs, torch "
             f"{torch.__version__}, grpcio {grpc.__version__}; load average at start "
-            f"{_loadavg()}\n",
+            f"{loadavg()}\n",
             flush=True,
         )
         if args.cross_host:
@@ -450,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         if place.tls is not None:
             tlsfiles.remove(place.tls)
     print(report.table(results, top, args.rounds))
-    print(f"\nload average at end {_loadavg()}")
+    print(f"\nload average at end {loadavg()}")
     if args.plot is not None:
         report.plot(
             results,

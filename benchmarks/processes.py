@@ -212,3 +212,8 @@ def process_rss(pid: int) -> int:
             return int(f.read().split()[1]) * PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def loadavg() -> str:
+    """The load averages of /proc/loadavg (1, 5, 15 min): the machine may be shared."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import netns  # noqa: E402
-from benchmarks.processes import Placement, serve_at  # noqa: E402
+from benchmarks.processes import Placement, loadavg, serve_at  # noqa: E402
 from benchmarks.workloads import Images  # noqa: E402
 from remote_loader.client import RemoteLoader  # noqa: E402
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     link = None if args.loopback else netns.Link.create(rate=args.link_rate)
     place = Placement(link)
     where = "loopback" if link is None else link.describe()
-    print(f"{where}\n{os.cpu_count()} CPUs; load average at start {_loadavg()}", flush=True)
+    print(f"{where}\n{os.cpu_count()} CPUs; load average at start {loadavg()}", flush=True)
     flags = [
         "--dataset", "benchmarks.workloads:Images", "--dataset-kwargs", f'{{"n": {n}}}',
         "--batch-size", str(args.batch_size), "--num-workers", "2", "--persistent-workers",
@@ -137,14 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         f"batches made twice (server's stream end lines): "
         f"{'unknown (no log on loopback)' if twice is None else twice}\n"
         f"inexact or missing batches: {inexact}\n"
-        f"load average at end {_loadavg()}"
+        f"load average at end {loadavg()}"
     )
     return 0 if resets == resumes == inexact == 0 and not twice else 1
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+"""Where a TLS data connection's time goes on this machine: the trainer's side against a raw TLS
+receiver, and how many data connections pay (NOTE [ TLS data connection ] in protos/tcp.py).
+
+compare.py --cross-host --tls gives the ratio of the TLS data connection to one raw TLS socket;
+this script says what stands between them. One `remote-loader serve` of benchmarks/workloads.py's
+Images (9.63 MB batches of 64, 2 workers, persistent) speaks TLS in a network namespace of its
+own (benchmarks/netns.py, benchmarks/tlsfiles.py); this process holds one RemoteLoader
+(`transport="tcp"`) per `--data-connections` value and, in every round, reads `--epochs` epochs
+from each in turn, each followed by one raw TLS socket round (benchmarks/ceilings.py: a sender
+process in the namespace `sendall`s batch-sized buffers, this process `recv_into`s them) of as
+many batches. Per data-connection count it prints:
+
+- GB/s and its ratio to the raw TLS socket round right after it, per round and the median;
+- CPU ms per batch: this process (the trainer: gRPC, the receiver, every stripe's decryption)
+  the server process and its workers, against the raw pair's: this process while
+  it received the raw rounds and the raw sender process (encryption and the kernel's copies,
+  nothing else).
+
+The raw pair has a sender and a receiver, one core each; the loader adds its workers and its
+bookkeeping on both ends, on the same two cores. Run from the repository root, as root:
+
+    python benchmarks/tls_cost.py [--data-connections 1,4] [--rounds 6] [--epochs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import ceilings, compare, netns, tlsfiles  # noqa: E402
+from benchmarks.processes import Placement, loadavg, process_table, tree_cpu  # noqa: E402
+from remote_loader.client import TLS, RemoteLoader  # noqa: E402
+from remote_loader.protos import tcp  # noqa: E402
+
+WORKLOAD = "images"
+BATCH_SIZE = 64
+WORKERS = 2
+GB = 1e9
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process so far, every thread's."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the server process itself and of its descendants (the fork server
+    and the workers)."""
+    table = process_table()
+    return table[pid][1], tree_cpu(pid, include_root=False)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,4; got {text!r}") from None
+    if not counts or not all(1 <= c <= tcp.MAX_DATA_CONNECTIONS for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"each count must be between 1 and {tcp.MAX_DATA_CONNECTIONS}; got {text!r}"
+        )
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-connections", type=_counts, default=[1, 4], metavar="N,N")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per loader per round")
+    parser.add_argument("--batches", type=int, default=40, help="batches per epoch")
+    args = parser.parse_args(argv)
+    for flag in ("rounds", "epochs", "batches"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1")
+    try:
+        netns.check_prerequisites(rate=None)
+    except netns.NetnsError as exc:
+        raise SystemExit(f"tls_cost.py: {exc}") from None
+
+    counts: list[int] = args.data_connections
+    kwargs = compare.dataset_kwargs(
+        WORKLOAD, argparse.Namespace(batches=args.batches, batch_size=BATCH_SIZE)
+    )
+    print(
+        f"TLS data connections vs one raw TLS socket, across namespaces: {WORKLOAD} batches of "
+        f"{BATCH_SIZE}, {WORKERS} workers, {args.batches} batches/epoch, {args.epochs} epoch(s) "
+        f"per loader per round, {args.rounds} rounds; load average at start {loadavg()}",
+        flush=True,
+    )
+    rates: dict[int, list[float]] = {c: [] for c in counts}
+    ratios: dict[int, list[float]] = {c: [] for c in counts}
+    client_ms: dict[int, list[float]] = {c: [] for c in counts}
+    server_ms: dict[int, list[float]] = {c: [] for c in counts}
+    workers_ms: dict[int, list[float]] = {c: [] for c in counts}
+    raw_ms: list[float] = []
+    sender_ms: list[float] = []
+    link = netns.Link.create()
+    files = tlsfiles.make(link.server_ip)
+    try:
+        place = Placement(link, files)
+        server = compare.start_loader_server(
+            compare.WORKLOADS[WORKLOAD], kwargs, BATCH_SIZE, WORKERS, place
+        )
+        loaders = {
+            c: RemoteLoader(
+                server.address,
+                device="cpu",
+                transport="tcp",
+                tls=TLS(ca=files.ca),
+                data_connections=c,
+            )
+            for c in counts
+        }
+        try:
+            with ceilings.Raw(place) as raw:
+                nbytes = 0
+                for loader in loaders.values():  # warm-up: workers, connections, buffers
+                    for batch in loader:
+                        nbytes = sum(t.numel() * t.element_size() for t in batch)
+                raw.round(WORKLOAD, nbytes, args.batches, timed=False)
+                for r in range(1, args.rounds + 1):
+                    for c, loader in loaders.items():
+                        start, cpu = time.perf_counter(), own_cpu()
+                        served, worked = server_cpu(server.proc.pid)
+                        batches = 0
+                        for _ in range(args.epochs):
+                            batches += sum(1 for _ in loader)
+                        wall = time.perf_counter() - start
+                        client_ms[c].append(1e3 * (own_cpu() - cpu) / batches)
+                        served_now, worked_now = server_cpu(server.proc.pid)
+                        server_ms[c].append(1e3 * (served_now - served) / batches)
+                        workers_ms[c].append(1e3 * (worked_now - worked) / batches)
+                        rates[c].append(batches * nbytes / GB / wall)
+                        count = args.epochs * args.batches
+                        cpu, sent = own_cpu(), tree_cpu(raw.sender_pid)
+                        ceiling = raw.socket_round(nbytes, count)
+                        raw_ms.append(1e3 * (own_cpu() - cpu) / count)
+                        sender_ms.append(1e3 * (tree_cpu(raw.sender_pid) - sent) / count)
+                        ratios[c].append(rates[c][-1] / ceiling)
+                    print(f"round {r}/{args.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            for loader in loaders.values():
+                loader.close()
+            server.stop()
+    finally:
+        link.close()
+        tlsfiles.remove(files)
+
+    print(
+        f"\n{'connections':>11} {'GB/s':>6} {'ratio':>6}  {'per round':<40} "
+        f"{'client ms/b':>11} {'server ms/b':>11} {'workers ms/b':>12}"
+    )
+    for c in counts:
+        rounds = " ".join(f"{x:.2f}" for x in ratios[c])
+        print(
+            f"{c:>11} {statistics.median(rates[c]):>6.3f} {statistics.median(ratios[c]):>6.2f}  "
+            f"{rounds:<40} {statistics.median(client_ms[c]):>11.2f} "
+            f"{statistics.median(server_ms[c]):>11.2f} {statistics.median(workers_ms[c]):>12.2f}"
+        )
+    print(
+        f"{'raw TLS':>11} {'':>6} {'':>6}  {'':<40} {statistics.median(raw_ms):>11.2f} "
+        f"{statistics.median(sender_ms):>11.2f}"
+    )
+    print(f"load average at end {loadavg()}")
+    print(
+        "ratio: the loader's GB/s over the raw TLS socket round right after it. client: this "
+        "process; server: the server process; workers: its descendants (the fork server and "
+        "the workers, who collate each batch into its slot); raw TLS: this process receiving, "
+        "the sender process sending; CPU ms per batch, medians over the rounds."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
