@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil  # type: ignore[import-untyped, unused-ignore]
 import torch
 from tqdm import tqdm
 
@@ -55,6 +54,13 @@ from remote_loader.server.datasets import DEMO_DATASET
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+try:
+    import psutil  # type: ignore[import-untyped, unused-ignore]
+except ModuleNotFoundError:
+    raise SystemExit(
+        "benchmarks/broadcast.py counts the server's CPU with psutil: pip install '.[bench]'"
+    ) from None
 
 from benchmarks import processes  # noqa: E402
 from benchmarks.consumers import Consumers, Order, Report, ServerCpu  # noqa: E402

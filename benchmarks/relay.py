@@ -68,8 +68,17 @@ def _write(sock: socket.socket, q: queue.Queue[tuple[float, bytes]]) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    host, delay = argv[0], float(argv[1])
-    pairs = [(host, int(p), int(t)) for p, t in (pair.split(":") for pair in argv[2:])]
+    usage = "usage: python -m benchmarks.relay HOST DELAY PORT:TARGET [PORT:TARGET ...]"
+    if len(argv) < 3 or argv[0] in ("-h", "--help"):
+        raise SystemExit(f"{usage}\n\n{__doc__}")
+    try:
+        host, delay = argv[0], float(argv[1])
+        pairs = [(host, int(p), int(t)) for p, t in (pair.split(":") for pair in argv[2:])]
+    except ValueError:
+        raise SystemExit(
+            f"{usage}\nDELAY is seconds (0.025) and each pair two ports (9000:8000); got "
+            f"{' '.join(argv)!r}"
+        ) from None
     relay(pairs, delay)
 
 

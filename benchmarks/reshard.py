@@ -13,16 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 
-from benchmarks.processes import start_server, stop_process
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.elastic import MAX_RESHARD_RANKS
+
+# Run as a script, this file's folder is on sys.path, not the repository root that holds the
+# `benchmarks` package.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.processes import start_server, stop_process  # noqa: E402
 
 # Seconds any one call may take before the benchmark calls it a failure rather than slow.
 CALL_TIMEOUT = 120.0
