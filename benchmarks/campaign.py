@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # run as a script: the repository root onto the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bridge import Topology, kill_group
-from benchmarks.netns import _run
+from benchmarks.netns import NetnsError, _run
 from benchmarks.processes import read_banner
 
 SAMPLES = 512
@@ -423,7 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = [(s, t) for s in names for t in transports]
     # SIGTERM / SIGINT as exceptions, so that the finally below removes the namespaces.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    topo = Topology(["srv", "t0", "t1"])
+    try:
+        topo = Topology(["srv", "t0", "t1"])
+    except NetnsError as exc:  # not root, or a tool missing: say which, no traceback
+        raise SystemExit(f"campaign.py: {exc}") from None
     rows: list[Row] = []
     started = time.monotonic()
     try:
