@@ -92,6 +92,16 @@ bytes (`drain`), a sign of life only, so no read can disturb a write pending in 
 end of a stream half-closes the TCP socket under TLS (no close_notify: every batch's length is
 known from its Frame, so a cut-off batch shows as one).
 
+Stripes under TLS: a plain stripe's reader takes megabytes from the kernel per recv_into call,
+but a TLS one gets one record per call, and its thread takes the GIL back after each: four
+readers on a trainer of two cores only take turns for it, and the trainer's process spent
+13.3-13.6 ms of CPU on a 9.63 MB batch where one reader spent 10.4-11.7, as much as a raw TLS
+receiver (10.5-10.9; `python benchmarks/tls_cost.py --batches 200 --epochs 1`, three runs;
+the server's side is unchanged: it hands OpenSSL a MiB per call). So a TLS client that names
+no count asks for `default_connections(tls=True)`: one per two of the CPUs it may run on, at
+most DEFAULT_DATA_CONNECTIONS (one on two or three CPUs, four from eight), the other half for
+its training loop; a plain client asks for DEFAULT_DATA_CONNECTIONS whatever its CPUs.
+
 NOTE [ End of a stream ]
 
 A send returns once a batch's bytes are in the server's kernel buffers, not once the client has
@@ -120,6 +130,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import os
 import secrets
 import select
 import socket
@@ -156,7 +167,7 @@ POLL_INTERVAL = 0.1
 # client that names none asks for. One connection carried 1.8 GB/s on loopback here (README): a
 # 25 GbE link (3.1 GB/s) wants 2 to 4, a 100 GbE one (12.5 GB/s) about 8.
 MAX_DATA_CONNECTIONS = 8
-DEFAULT_DATA_CONNECTIONS = 4
+DEFAULT_DATA_CONNECTIONS = 4  # under TLS, fewer on a client of few CPUs: default_connections
 # A stripe costs a thread handoff on each side (tens of microseconds). 1 MiB takes ~0.3 ms on
 # 25 GbE and ~0.1 ms on 100 GbE, so that cost stays a small fraction of the stripe; and a batch
 # below 2 MiB, over in a few hundred microseconds on any such link, goes on one connection.
@@ -250,6 +261,17 @@ def concurrently(
     for future in futures:  # in stripe order: raises the first error
         done = future.result() and done
     return done
+
+
+def default_connections(*, tls: bool, cpus: int | None = None) -> int:
+    """The data connections a client that names no count asks for: DEFAULT_DATA_CONNECTIONS,
+    and under TLS one per two of `cpus` (default: the CPUs this process may run on), at least
+    one and at most that (NOTE [ TLS data connection ], stripes under TLS)."""
+    if not tls:
+        return DEFAULT_DATA_CONNECTIONS
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return max(1, min(DEFAULT_DATA_CONNECTIONS, cpus // 2))
 
 
 def new_ticket() -> bytes:

@@ -7,10 +7,12 @@ tests/test_auth.py's `pki`.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,6 +88,54 @@ def test_mutual_tls_data_connections_need_the_client_certificate(
         tcp.connect("127.0.0.1", port, ticket, tls=TLS(ca=pki.ca).data_context())
     sock = tcp.connect("127.0.0.1", port, listener.expect(), tls=mutual.data_context())
     sock.close()
+
+
+@pytest.mark.parametrize(
+    ("cpus", "tls", "asked"),
+    [
+        (1, True, 1),
+        (2, True, 1),
+        (3, True, 1),
+        (4, True, 2),
+        (7, True, 3),
+        (8, True, 4),
+        (64, True, 4),
+        (1, False, 4),
+        (2, False, 4),
+        (64, False, 4),
+    ],
+)
+def test_a_tls_client_asks_for_a_stripe_per_two_cpus(cpus: int, tls: bool, asked: int) -> None:
+    # NOTE [ TLS data connection ], stripes under TLS: at most DEFAULT_DATA_CONNECTIONS.
+    assert tcp.default_connections(tls=tls, cpus=cpus) == asked
+    assert tcp.default_connections(tls=False) == tcp.DEFAULT_DATA_CONNECTIONS
+
+
+@pytest.mark.parametrize("cpus", [2, 8])
+def test_a_tls_loader_that_names_no_count_stripes_by_its_cpus(
+    serve_loaders: ServeLoaders,
+    pki: PKI,
+    monkeypatch: pytest.MonkeyPatch,
+    cpus: int,
+) -> None:
+    # A real TLS server and a 12 MB batch (enough MiB for every stripe): the connections it
+    # came on are those the client asked for by its CPUs (1 on two, 4 on eight), not 4 always.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    used: set[int] = set()
+    real = tcp.recv_into
+
+    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
+        if len(out):
+            used.add(sock.fileno())
+        return real(sock, out, *args)
+
+    monkeypatch.setattr(tcp, "recv_into", spy)
+    sizes = [12_000_000, 1000]
+    served = serve_loaders(sizes_spec(sizes), **pki.server_settings())
+    with RemoteLoader(served.address, tls=TLS(ca=pki.ca), transport="tcp") as loader:
+        assert_same(list(loader), expected(sizes))
+        assert loader.last_transport == "tcp"
+    assert len(used) == tcp.default_connections(tls=True, cpus=cpus) == (1 if cpus == 2 else 4)
 
 
 def test_a_client_that_does_not_trust_the_server_fails_clearly(

@@ -28,11 +28,12 @@ class TcpEnd:
 
     `host`: the gRPC target's host, where the data connections go (None: this client did not
     ask for any). `connections`: how many it asks for (1 to tcp.MAX_DATA_CONNECTIONS; None:
-    tcp.DEFAULT_DATA_CONNECTIONS). `stopped`: the receiver's; a read waiting on a socket gives
-    up when it turns true. `tls`: the client's context for the data connections (a TLS
-    client's: its gRPC channel's CA, certificate and key), `server_name` the name the server's
-    certificate must carry (None: `host`). `required`: transport="tcp", where a data connection
-    that cannot be made is an error (TransportError), not a fallback.
+    tcp.default_connections, fewer under TLS on a host of few CPUs). `stopped`: the
+    receiver's; a read waiting on a socket gives up when it turns true. `tls`: the client's
+    context for the data connections (a TLS client's: its gRPC channel's CA, certificate and
+    key), `server_name` the name the server's certificate must carry (None: `host`).
+    `required`: transport="tcp", where a data connection that cannot be made is an error
+    (TransportError), not a fallback.
     """
 
     name = "tcp"
@@ -49,7 +50,7 @@ class TcpEnd:
         required: bool = False,
     ) -> None:
         if connections is None:
-            connections = tcp.DEFAULT_DATA_CONNECTIONS
+            connections = tcp.default_connections(tls=tls is not None)
         if not 1 <= connections <= tcp.MAX_DATA_CONNECTIONS:
             raise ValueError(
                 f"data_connections must be between 1 and {tcp.MAX_DATA_CONNECTIONS}, "
