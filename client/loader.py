@@ -81,8 +81,9 @@ class RemoteLoader:
             may grant fewer). Each batch is cut into a stripe per connection, sent and read all
             at once, but into no more stripes than it has MiB (a batch under 2 MiB goes on
             one): several fill a fast link (25-100 GbE) that one connection cannot. None (the
-            default): up to 4; under TLS up to one per two of this host's CPUs (one on a
-            two-core host), since each TLS stripe's reader keeps a core decrypting.
+            default): up to 4; under TLS one per two of this host's CPUs, at most 4 (one on
+            two cores: TLS stripes' readers take Python's GIL back after every 16 KiB record,
+            and more of them than spare cores only take turns).
         compression: "lz4" or "zstd": the server's workers compress each tensor that shrinks
             and this client decompresses it, for links slower than decompression (about 1-10
             Gbit/s); "none" (the default): the bytes as they are, what shared memory and fast

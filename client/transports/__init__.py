@@ -51,7 +51,7 @@ class Transports:
 
     `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for data
     connections to this host (the gRPC target's; None: never), `data_connections` of them (None:
-    tcp.DEFAULT_DATA_CONNECTIONS; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
+    tcp.default_connections; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
     mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
     owner stops asking in later epochs (a firewall that drops the connection would cost every
     epoch tcp.CONNECT_TIMEOUT). `tcp_tls`, `tcp_server_name`: a TLS client's context for its
