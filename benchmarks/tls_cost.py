@@ -25,6 +25,7 @@ bookkeeping on both ends, on the same two cores. Run from the repository root, a
 from __future__ import annotations
 
 import argparse
+import collections
 import resource
 import statistics
 import sys
@@ -57,6 +58,37 @@ def server_cpu(pid: int) -> tuple[float, float]:
     and the workers)."""
     table = process_table()
     return table[pid][1], tree_cpu(pid, include_root=False)
+
+
+def loader_round(
+    loader: RemoteLoader, epochs: int, nbytes: int, server_pid: int
+) -> dict[str, float]:
+    """`epochs` epochs of `loader`: GB/s, and CPU ms per batch of this process ("client"), the
+    server process ("server") and its descendants ("workers")."""
+    start, cpu = time.perf_counter(), own_cpu()
+    served, worked = server_cpu(server_pid)
+    batches = sum(sum(1 for _ in loader) for _ in range(epochs))
+    wall = time.perf_counter() - start
+    client = own_cpu() - cpu
+    served_now, worked_now = server_cpu(server_pid)
+    return {
+        "GB/s": batches * nbytes / GB / wall,
+        "client": 1e3 * client / batches,
+        "server": 1e3 * (served_now - served) / batches,
+        "workers": 1e3 * (worked_now - worked) / batches,
+    }
+
+
+def raw_round(raw: ceilings.Raw, nbytes: int, count: int) -> dict[str, float]:
+    """One raw TLS socket round of `count` buffers of `nbytes`: GB/s, and CPU ms per batch of
+    this process receiving ("receiver") and of the sender process ("sender")."""
+    cpu, sent = own_cpu(), tree_cpu(raw.sender_pid)
+    rate = raw.socket_round(nbytes, count)
+    return {
+        "raw GB/s": rate,
+        "receiver": 1e3 * (own_cpu() - cpu) / count,
+        "sender": 1e3 * (tree_cpu(raw.sender_pid) - sent) / count,
+    }
 
 
 def _counts(text: str) -> list[int]:
@@ -98,13 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         f"per loader per round, {args.rounds} rounds; load average at start {loadavg()}",
         flush=True,
     )
-    rates: dict[int, list[float]] = {c: [] for c in counts}
-    ratios: dict[int, list[float]] = {c: [] for c in counts}
-    client_ms: dict[int, list[float]] = {c: [] for c in counts}
-    server_ms: dict[int, list[float]] = {c: [] for c in counts}
-    workers_ms: dict[int, list[float]] = {c: [] for c in counts}
-    raw_ms: list[float] = []
-    sender_ms: list[float] = []
+    # Per data-connection count (0: the raw pair), each figure's value in every round.
+    figures: dict[int, dict[str, list[float]]] = {
+        c: collections.defaultdict(list) for c in [*counts, 0]
+    }
     link = netns.Link.create()
     files = tlsfiles.make(link.server_ip)
     try:
@@ -131,23 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                 raw.round(WORKLOAD, nbytes, args.batches, timed=False)
                 for r in range(1, args.rounds + 1):
                     for c, loader in loaders.items():
-                        start, cpu = time.perf_counter(), own_cpu()
-                        served, worked = server_cpu(server.proc.pid)
-                        batches = 0
-                        for _ in range(args.epochs):
-                            batches += sum(1 for _ in loader)
-                        wall = time.perf_counter() - start
-                        client_ms[c].append(1e3 * (own_cpu() - cpu) / batches)
-                        served_now, worked_now = server_cpu(server.proc.pid)
-                        server_ms[c].append(1e3 * (served_now - served) / batches)
-                        workers_ms[c].append(1e3 * (worked_now - worked) / batches)
-                        rates[c].append(batches * nbytes / GB / wall)
-                        count = args.epochs * args.batches
-                        cpu, sent = own_cpu(), tree_cpu(raw.sender_pid)
-                        ceiling = raw.socket_round(nbytes, count)
-                        raw_ms.append(1e3 * (own_cpu() - cpu) / count)
-                        sender_ms.append(1e3 * (tree_cpu(raw.sender_pid) - sent) / count)
-                        ratios[c].append(rates[c][-1] / ceiling)
+                        mine = loader_round(loader, args.epochs, nbytes, server.proc.pid)
+                        theirs = raw_round(raw, nbytes, args.epochs * args.batches)
+                        mine["ratio"] = mine["GB/s"] / theirs["raw GB/s"]
+                        for figure, value in [*mine.items(), *theirs.items()]:
+                            figures[c if figure in mine else 0][figure].append(value)
                     print(f"round {r}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             for loader in loaders.values():
@@ -157,20 +174,23 @@ def main(argv: list[str] | None = None) -> int:
         link.close()
         tlsfiles.remove(files)
 
+    def median(c: int, figure: str) -> float:
+        return statistics.median(figures[c][figure])
+
     print(
         f"\n{'connections':>11} {'GB/s':>6} {'ratio':>6}  {'per round':<40} "
         f"{'client ms/b':>11} {'server ms/b':>11} {'workers ms/b':>12}"
     )
     for c in counts:
-        rounds = " ".join(f"{x:.2f}" for x in ratios[c])
+        rounds = " ".join(f"{x:.2f}" for x in figures[c]["ratio"])
         print(
-            f"{c:>11} {statistics.median(rates[c]):>6.3f} {statistics.median(ratios[c]):>6.2f}  "
-            f"{rounds:<40} {statistics.median(client_ms[c]):>11.2f} "
-            f"{statistics.median(server_ms[c]):>11.2f} {statistics.median(workers_ms[c]):>12.2f}"
+            f"{c:>11} {median(c, 'GB/s'):>6.3f} {median(c, 'ratio'):>6.2f}  {rounds:<40} "
+            f"{median(c, 'client'):>11.2f} {median(c, 'server'):>11.2f} "
+            f"{median(c, 'workers'):>12.2f}"
         )
     print(
-        f"{'raw TLS':>11} {'':>6} {'':>6}  {'':<40} {statistics.median(raw_ms):>11.2f} "
-        f"{statistics.median(sender_ms):>11.2f}"
+        f"{'raw TLS':>11} {median(0, 'raw GB/s'):>6.3f} {'':>6}  {'':<40} "
+        f"{median(0, 'receiver'):>11.2f} {median(0, 'sender'):>11.2f}"
     )
     print(f"load average at end {loadavg()}")
     print(
