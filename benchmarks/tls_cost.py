@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import ceilings, compare, netns, tlsfiles  # noqa: E402
-from benchmarks.processes import Placement, loadavg, process_table, tree_cpu  # noqa: E402
+from benchmarks.processes import Placement, loadavg, process_table, tree_cpu, tree_pids  # noqa: E402
 from remote_loader.client import TLS, RemoteLoader  # noqa: E402
 from remote_loader.protos import tcp  # noqa: E402
 
@@ -57,7 +57,8 @@ def server_cpu(pid: int) -> tuple[float, float]:
     """CPU seconds so far of the server process itself and of its descendants (the fork server
     and the workers)."""
     table = process_table()
-    return table[pid][1], tree_cpu(pid, include_root=False)
+    descendants = tree_pids(pid, include_root=False, table=table)
+    return table[pid][1], sum(table[each][1] for each in descendants)
 
 
 def loader_round(
@@ -65,8 +66,8 @@ def loader_round(
 ) -> dict[str, float]:
     """`epochs` epochs of `loader`: GB/s, and CPU ms per batch of this process ("client"), the
     server process ("server") and its descendants ("workers")."""
+    served, worked = server_cpu(server_pid)  # /proc read before the clock starts
     start, cpu = time.perf_counter(), own_cpu()
-    served, worked = server_cpu(server_pid)
     batches = sum(sum(1 for _ in loader) for _ in range(epochs))
     wall = time.perf_counter() - start
     client = own_cpu() - cpu

@@ -12,20 +12,21 @@ import socket
 import ssl
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from remote_loader.client import TLS, RemoteLoader
 from remote_loader.protos import tcp
 from remote_loader.server.transports import DataListener
-from tests import test_auth
+from tests import test_auth, test_striping
 from tests.conftest import ServeLoaders, assert_same
 from tests.test_auth import PKI
 from tests.test_shm import expected, sizes_spec
 
 # tests/test_auth.py's CA and certificates, made once for this module too.
 pki = test_auth.pki
+# tests/test_striping.py's spy: the client's sockets that data arrived on.
+recv_spy = test_striping.recv_spy
 
 SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
 
@@ -116,26 +117,18 @@ def test_a_tls_loader_that_names_no_count_stripes_by_its_cpus(
     serve_loaders: ServeLoaders,
     pki: PKI,
     monkeypatch: pytest.MonkeyPatch,
+    recv_spy: set[int],
     cpus: int,
 ) -> None:
     # A real TLS server and a 12 MB batch (enough MiB for every stripe): the connections it
     # came on are those the client asked for by its CPUs (1 on two, 4 on eight), not 4 always.
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    used: set[int] = set()
-    real = tcp.recv_into
-
-    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
-        if len(out):
-            used.add(sock.fileno())
-        return real(sock, out, *args)
-
-    monkeypatch.setattr(tcp, "recv_into", spy)
     sizes = [12_000_000, 1000]
     served = serve_loaders(sizes_spec(sizes), **pki.server_settings())
     with RemoteLoader(served.address, tls=TLS(ca=pki.ca), transport="tcp") as loader:
         assert_same(list(loader), expected(sizes))
         assert loader.last_transport == "tcp"
-    assert len(used) == tcp.default_connections(tls=True, cpus=cpus) == (1 if cpus == 2 else 4)
+    assert len(recv_spy) == tcp.default_connections(tls=True, cpus=cpus) == (1 if cpus == 2 else 4)
 
 
 def test_a_client_that_does_not_trust_the_server_fails_clearly(
