@@ -43,7 +43,7 @@ class Consumer(_message.Message):
     def __init__(self, sharing: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class LoaderInfo(_message.Message):
-    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length", "sharing", "epoch_length", "pool")
+    __slots__ = ("name", "length", "has_length", "batch_size", "dataset_kind", "options", "seed", "fingerprint", "dataset_length", "sharing", "epoch_length", "pool", "warnings")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class LoaderInfo(_message.Message):
     SHARING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
     has_length: bool
@@ -75,7 +76,16 @@ class LoaderInfo(_message.Message):
     sharing: _containers.RepeatedScalarFieldContainer[str]
     epoch_length: int
     pool: PoolInfo
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+    warnings: _containers.RepeatedCompositeFieldContainer[LoaderWarning]
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., has_length: _Optional[bool] = ..., batch_size: _Optional[int] = ..., dataset_kind: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., dataset_length: _Optional[int] = ..., sharing: _Optional[_Iterable[str]] = ..., epoch_length: _Optional[int] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., warnings: _Optional[_Iterable[_Union[LoaderWarning, _Mapping]]] = ...) -> None: ...
+
+class LoaderWarning(_message.Message):
+    __slots__ = ("category", "message")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    message: str
+    def __init__(self, category: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("backend", "nodes", "workers")
@@ -202,16 +212,20 @@ class ShmSlot(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RemoteError(_message.Message):
-    __slots__ = ("where", "type", "message", "traceback")
+    __slots__ = ("where", "type", "message", "traceback", "module", "qualname")
     WHERE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    QUALNAME_FIELD_NUMBER: _ClassVar[int]
     where: str
     type: str
     message: str
     traceback: str
-    def __init__(self, where: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+    module: str
+    qualname: str
+    def __init__(self, where: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., module: _Optional[str] = ..., qualname: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("batches",)
@@ -292,15 +306,21 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., compression: _Optional[str] = ..., raw_nbytes: _Optional[int] = ...) -> None: ...
 
 class Sequence(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "type", "fields")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[Node]
-    def __init__(self, items: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+    type: str
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., type: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Mapping(_message.Message):
-    __slots__ = ("keys", "values")
+    __slots__ = ("keys", "values", "type")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[Node]
     values: _containers.RepeatedCompositeFieldContainer[Node]
-    def __init__(self, keys: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+    type: str
+    def __init__(self, keys: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., type: _Optional[str] = ...) -> None: ...
