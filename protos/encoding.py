@@ -2,13 +2,16 @@
 
 Nothing is copied until `Encoded.write_payload`, which puts each leaf at its offset of the blob
 (NOTE [ Blob layout ] in protos/layout.py) with one copy per leaf, or none for a leaf already
-there (`Placed`).
+there (`Placed`). A namedtuple, dataclass or Mapping subclass carries its class's name so the
+client can rebuild it (NOTE [ Batch types ] in protos/decoding.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -35,8 +38,9 @@ _INT64_MAX = 2**63 - 1
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _SUPPORTED = (
-    "supported: torch.Tensor, numpy.ndarray, int, float, bool, str, bytes, None, "
-    "and dict/list/tuple of these"
+    "supported: torch.Tensor, numpy.ndarray, int, float, bool, str, bytes, None, and dict, list, "
+    "tuple, namedtuple, dataclass instance or Mapping of these; return the batch's data in those "
+    "from the dataset or collate_fn"
 )
 _SUPPORTED_KEYS = "dict keys must be str, int, float, bool, None or tuples of those"
 
@@ -214,15 +218,41 @@ class _Encoder:
                 self.value(node.list.items.add(), item, f"{path}[{i}]", depth + 1)
         elif isinstance(obj, tuple):
             node.tuple.SetInParent()
+            if type(obj) is not tuple:
+                _name_namedtuple(node.tuple, obj)
             for i, item in enumerate(obj):
                 self.value(node.tuple.items.add(), item, f"{path}[{i}]", depth + 1)
         elif isinstance(obj, dict):
-            node.dict.SetInParent()
-            for key, item in obj.items():
-                _encode_key(node.dict.keys.add(), key, path, depth + 1)
-                self.value(node.dict.values.add(), item, f"{path}[{key!r}]", depth + 1)
+            self.mapping(node.dict, obj, path, depth)
         elif not _encode_scalar(node, obj, path):
-            raise EncodeError(f"cannot encode {type(obj).__qualname__} at {path}; {_SUPPORTED}")
+            self.other(node, obj, path, depth)
+
+    def mapping(
+        self, msg: loader_pb2.Mapping, obj: Mapping[Any, Any], path: str, depth: int
+    ) -> None:
+        msg.SetInParent()
+        if type(obj) is not dict:
+            msg.type = _type_name(type(obj))
+        for key, item in obj.items():
+            _encode_key(msg.keys.add(), key, path, depth + 1)
+            self.value(msg.values.add(), item, f"{path}[{key!r}]", depth + 1)
+
+    def other(self, node: loader_pb2.Node, obj: object, path: str, depth: int) -> None:
+        """A value no fast case took: a Mapping that is no dict, a dataclass instance, or an
+        error."""
+        if isinstance(obj, Mapping):
+            self.mapping(node.dict, obj, path, depth)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            msg = node.dict
+            msg.SetInParent()
+            msg.type = _type_name(type(obj))
+            for name in _init_fields(type(obj), dataclasses.fields(obj), path):
+                msg.keys.add().str = name
+                self.value(msg.values.add(), getattr(obj, name), f"{path}.{name}", depth + 1)
+        else:
+            cls = type(obj)
+            what = cls.__qualname__ if cls.__module__ == "builtins" else _dotted(cls)
+            raise EncodeError(f"cannot encode {what} at {path}; {_SUPPORTED}")
 
     def tensor(self, msg: loader_pb2.Tensor, t: torch.Tensor, path: str) -> None:
         if t.is_nested:
@@ -263,6 +293,42 @@ class _Encoder:
         msg.dtype = arr.dtype.str
         msg.shape.extend(arr.shape)
         self.array_leaf(msg, arr.nbytes, arr)
+
+
+def _type_name(cls: type) -> str:
+    """How a header names a class: "module:qualname" (NOTE [ Batch types ])."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _name_namedtuple(msg: loader_pb2.Sequence, obj: tuple[Any, ...]) -> None:
+    """Names a namedtuple's class and fields in `msg`; any other tuple subclass (torch.Size, a
+    structseq such as torch.return_types.max) travels as a plain tuple."""
+    fields = getattr(type(obj), "_fields", None)
+    if (
+        isinstance(fields, tuple)
+        and len(fields) == len(obj)
+        and all(isinstance(name, str) for name in fields)
+    ):
+        msg.type = _type_name(type(obj))
+        msg.fields.extend(fields)
+
+
+def _init_fields(cls: type, fields: tuple[dataclasses.Field[Any], ...], path: str) -> list[str]:
+    """The names of a dataclass's fields, all of which its __init__ must take."""
+    names = []
+    for f in fields:
+        if not f.init:
+            raise EncodeError(
+                f"cannot encode dataclass {_dotted(cls)} at {path}: its field {f.name!r} has "
+                f"init=False, so the client could not rebuild it as {cls.__qualname__}(**fields); "
+                "make it an init field, or return a dict"
+            )
+        names.append(f.name)
+    return names
 
 
 def _encode_scalar(node: loader_pb2.Node, obj: object, path: str) -> bool:
