@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["ConfigError", "LoaderSpec", "Server", "ServerSettings"]
 
 # Imported on first use, not here: workers import remote_loader.server.worker (so this package)
-# in the fork server, which must not load gRPC (grpc/grpc#16001; see server/server.py).
+# in the fork server, which must never run gRPC (grpc/grpc#16001) and loads it only when the
+# main module does (NOTE [ Fork server preload ] in server/forkserver.py).
 _WHERE = {
     "Server": "remote_loader.server.server",
     "ServerSettings": "remote_loader.server.settings",

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Protocol
 
+from remote_loader.server.dataset_once import SharedDataset
 from remote_loader.server.engine import Engine
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
@@ -58,11 +59,13 @@ def make_pool(
     *,
     max_batch_bytes: int,
     metrics: LoaderMetrics,
+    dataset: SharedDataset,
     ray_address: str | None = None,
     ray_direct: bool = True,
     ray_node_fetch: bool = True,
 ) -> Pool:
-    """A pool of the spec's backend (`pool`; not started)."""
+    """A pool of the spec's backend (`pool`; not started), whose workers start from `dataset`
+    (NOTE [ One dataset per loader ] in server/dataset_once.py)."""
     from remote_loader.server.pool import WorkerPool
     from remote_loader.server.pool_backend import WorkerBackend
 
@@ -77,6 +80,7 @@ def make_pool(
             ctx,
             address=ray_address,
             max_batch_bytes=max_batch_bytes,
+            dataset=dataset,
             direct=ray_direct,
             node_fetch=ray_node_fetch,
             record=metrics.remote_bytes,
@@ -84,7 +88,9 @@ def make_pool(
     else:
         from remote_loader.server.pool_local import ProcessBackend
 
-        backend = ProcessBackend(spec, batching, ctx, max_batch_bytes=max_batch_bytes)
+        backend = ProcessBackend(
+            spec, batching, ctx, max_batch_bytes=max_batch_bytes, dataset=dataset
+        )
     return WorkerPool(spec, batching, backend, metrics=metrics)
 
 

@@ -33,12 +33,25 @@ class Engine(Protocol):
     @property
     def outstanding(self) -> int: ...
 
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
-        """Starts an epoch seeded from `base_seed`, whose batches are compressed with
+    def begin_epoch(
+        self, base_seed: int, compression: str = "", *, epoch: int, shared_seed: int | None = None
+    ) -> None:
+        """Starts the loader's epoch `epoch` (as the stream asked: the dataset's set_epoch gets
+        it), seeded from `base_seed` (an IterDataPipe's random pipes from `shared_seed`: NOTE
+        [ Epoch hooks ] in server/dataset_once.py), whose batches are compressed with
         `compression` ("": none; NOTE [ Compression ] in protos/compression.py)."""
         ...
 
-    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool: ...
+    def has_room(self) -> bool:
+        """Whether a task submitted now is sent at once; False while every worker holds its
+        share (in_order = false, NOTE [ Dispatch ] in server/dispatch.py): the Run then waits
+        for a result before it draws the next task."""
+        ...
+
+    def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
+        """Sends a task; False when every worker has run dry (an IterableDataset's end)."""
+        ...
+
     def poll(self, timeout: float = ...) -> Outcome | None: ...
     def end_epoch(self) -> None: ...
 

@@ -1,7 +1,8 @@
 """One hosted loader: its spec, a dataset built in the server process, and its Runs.
 
 The server-side dataset instance answers len() and kind, validates the options against torch at
-start-up and does the loading when num_workers = 0; workers build their own instances.
+start-up and does the loading when num_workers = 0; it is pickled once, and every worker starts
+from that pickle (NOTE [ One dataset per loader ] in server/dataset_once.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from remote_loader.server.backends import Pool, make_pool, require_backend
+from remote_loader.server.dataset_once import SharedDataset, build_dataset, share
 from remote_loader.server.elastic import (
     Reshard,
     ReshardError,
@@ -34,13 +36,13 @@ from remote_loader.server.run import BorrowAbandoned, Consumer
 from remote_loader.server.sampling import (
     Batching,
     EpochPlan,
-    build_dataloader,
+    dataloader_with_warnings,
     epoch_length,
     plan_epoch,
 )
 from remote_loader.server.sharing import Runs
 from remote_loader.server.spec import ConfigError, LoaderSpec
-from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES, build_dataset
+from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +107,22 @@ class LoaderHost:
         require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
         self.dataset = build_dataset(spec)
         check_length(spec, self.dataset)  # before torch's RandomSampler calls len() itself
-        self._loader = build_dataloader(spec, self.dataset)
+        # torch's warnings for this loader (more workers than CPUs, ...): logged once here,
+        # handed to trainers by Describe (LoaderInfo.warnings).
+        self._loader, self.warnings = dataloader_with_warnings(spec, self.dataset)
+        for warning in self.warnings:
+            log.warning("loader %r: %s: %s", spec.name, warning.category, warning.message)
         self.batching = Batching.of(self._loader)
         if spec.parts.pool.autotune and self.batching.is_iterable:
             raise ConfigError(
                 f'loader {spec.name!r}: num_workers = "auto" needs a map-style dataset: an '
                 "IterableDataset shards itself by the worker count, which autotuning changes"
             )
+        # Once, after the DataLoader has set what it sets on an IterDataPipe: what every
+        # worker starts from (NOTE [ One dataset per loader ]). num_workers = 0 loads this one.
+        pool = spec.parts.pool
+        workers = pool.num_workers > 0 or pool.autotune
+        self.shared = share(spec, self.dataset) if workers else SharedDataset()
         self._ctx = ctx
         self._cond = threading.Condition()
         self._ray_address = ray_address
@@ -210,6 +221,7 @@ class LoaderHost:
             self._ctx,
             max_batch_bytes=self.max_batch_bytes,
             metrics=self.metrics,
+            dataset=self.shared,
             ray_address=self._ray_address,
             ray_direct=self._ray_direct,
             ray_node_fetch=self._ray_node_fetch,

@@ -1,6 +1,7 @@
 """In-process loading for num_workers = 0: the engine (server/engine.py) that makes each batch
 on the Run's own thread, in the server process, with the same pieces a worker uses
-(server/worker.py: Fetcher, make_batch, seed_rngs) and no worker processes.
+(server/fetcher.py, server/worker.py's make_batch, the epoch hooks of server/dataset_once.py)
+and no worker processes.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import time
 from typing import Any
 
 from remote_loader.protos.compression import Compressor, compressor_for
+from remote_loader.server.dataset_once import begin_dataset_epoch
 from remote_loader.server.engine import Delivery, Outcome
+from remote_loader.server.fetcher import Fetcher, seed_rngs
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES, Fetcher, make_batch, seed_rngs
+from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES, make_batch
 
 # Where an inline (num_workers=0) batch failed, in its error.
 INLINE = "in the server process"
@@ -51,13 +54,21 @@ class InlineEngine:
         self._compressor: Compressor | None = None
         self.outstanding = 0
 
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
+    def begin_epoch(
+        self, base_seed: int, compression: str = "", *, epoch: int, shared_seed: int | None = None
+    ) -> None:
         seed_rngs(base_seed, 0)
+        # As torch's main process does with num_workers = 0: the one copy, one worker of one
+        # (NOTE [ Epoch hooks ] in server/dataset_once.py).
+        self._dataset = begin_dataset_epoch(self._dataset, epoch, 0, 1, shared_seed)
         self._compressor = compressor_for(compression, self._compressor)
         collate_fn = self._batching.collate_fn(self._spec)
         self._fetcher = Fetcher(self._dataset, self._batching, collate_fn)
         self._queue.clear()
         self.outstanding = 0
+
+    def has_room(self) -> bool:
+        return True  # no workers to share tasks between: max_outstanding alone bounds them
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         assert self._fetcher is not None

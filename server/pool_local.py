@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from remote_loader.server.dataset_once import SharedDataset
 from remote_loader.server.pool_backend import Event
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec
@@ -42,10 +43,12 @@ class ProcessBackend:
         ctx: multiprocessing.context.BaseContext,
         *,
         max_batch_bytes: int,
+        dataset: SharedDataset,
     ) -> None:
         self.spec = spec
         self.batching = batching
         self.max_batch_bytes = max_batch_bytes
+        self.dataset = dataset  # what each worker starts from (NOTE [ One dataset per loader ])
         self._ctx = ctx
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._index_queues: list[Any] = []
@@ -100,6 +103,7 @@ class ProcessBackend:
             incarnation=incarnation,
             current_task=making,
             max_batch_bytes=self.max_batch_bytes,
+            dataset=self.dataset,
         )
         proc = self._ctx.Process(  # type: ignore[attr-defined]
             target=worker_loop,

@@ -1,11 +1,12 @@
 """A loader worker as a Ray actor: worker `w` of `num_workers`, on whichever node Ray placed it.
 
-It does what a worker process does (server/worker.py), with the same pieces: it builds the
-dataset from its factory itself (nothing is pickled but the spec), seeds random, torch and numpy
-as torch seeds worker `w`, runs `worker_init_fn` once and sets `get_worker_info()`, so an
-IterableDataset shards itself as under a local DataLoader. Ray runs an actor's calls one at a
-time in the order one caller made them (the pool's bridge is the only caller), so a worker's
-tasks are made in the order they were sent, as from a worker's index queue.
+It does what a worker process does (server/worker.py), with the same pieces: it starts from the
+loader's one dataset (its pickle, out of Ray's object store: NOTE [ One dataset per loader ] in
+server/dataset_once.py), seeds random, torch and numpy as torch seeds worker `w`, sets
+`get_worker_info()`, runs the epoch hooks every epoch and `worker_init_fn` once, so an
+IterableDataset shards itself as under a local DataLoader. Ray runs an actor's calls one at
+a time in the order one caller made them (the pool's bridge is the only caller), so a
+worker's tasks are made in the order they were sent, as from a worker's index queue.
 
 How a batch leaves (NOTE [ Ray data path ] in server/pool_ray.py): an actor on the server's
 own host attaches a direct lane (NOTE [ Ray direct lane ] in server/ray_lane.py) and serves
@@ -27,6 +28,7 @@ import torch
 
 from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import WorkerSlots, use_collate_buffers
+from remote_loader.server.dataset_once import SharedDataset
 from remote_loader.server.ray_lane import Lane, LaneAddress, Probe, SlotSize, attach, share
 from remote_loader.server.ray_node import NodeServer, Remake
 from remote_loader.server.sampling import Batching
@@ -53,7 +55,10 @@ class RayWorker:
         max_batch_bytes: int,
         incarnation: int = 0,
         lane: LaneAddress | None = None,
+        dataset: np.ndarray | None = None,
     ) -> None:
+        """`dataset`: the loader's dataset pickled (Ray hands the actor the object the bridge
+        put); None: the actor builds its own from the factory."""
         torch.set_num_threads(1)  # as torch's workers do: parallelism comes from the workers
         settle_allocator()  # NOTE [ Worker allocator ] in server/allocator.py
         # NOTE [ Collating in process memory ] in server/collating.py: a batch leaves as a blob.
@@ -67,7 +72,7 @@ class RayWorker:
         where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()})"
         # The same dataset, seeding and worker_init_fn as a worker process (server/worker.py).
         self._new_state = functools.partial(
-            WorkerState, spec, batching, worker_id, num_workers, where
+            WorkerState, spec, batching, worker_id, num_workers, where, SharedDataset(dataset)
         )
         self.state = self._new_state()
         self.epochs = 0  # begun by this actor
@@ -88,17 +93,16 @@ class RayWorker:
 
         return str(ray.get_runtime_context().get_node_id()), self.attached
 
-    def begin_epoch(
-        self, epoch_key: int, base_seed: int, compression: str = "", fresh: bool = False
-    ) -> None:
+    def begin_epoch(self, start: EpochStart, fresh: bool = False) -> None:
         """Reseeds and restarts iteration, as a worker process does on EpochStart; `fresh`:
-        with a new dataset and worker_init_fn run again, as torch's new worker processes of
-        an epoch without persistent_workers (NOTE [ Ray pool reuse ] in server/pool_ray.py)."""
-        self.epoch_key = epoch_key
+        with a new copy of the dataset and worker_init_fn run again, as torch's new worker
+        processes of an epoch without persistent_workers (NOTE [ Ray pool reuse ] in
+        server/pool_ray.py)."""
+        self.epoch_key = start.epoch_key
         if fresh and self.epochs > 0:
-            self.state = self._new_state()  # a new dataset; worker_init_fn runs again
+            self.state = self._new_state()  # a new copy of the dataset; worker_init_fn again
         self.epochs += 1
-        self.state.begin_epoch(base_seed, compression)
+        self.state.begin_epoch(start)
 
     def make(self, epoch_key: int, indices: Any, seed: int | None) -> tuple[Any, ...]:
         """One task by call: the Result's fields (the batch as a numpy array, `blob`), and
@@ -185,9 +189,7 @@ class RayWorker:
             if message is None:
                 return
             if isinstance(message, EpochStart):
-                self.begin_epoch(
-                    message.epoch_key, message.base_seed, message.compression, self.fresh
-                )
+                self.begin_epoch(message, self.fresh)
                 continue
             if isinstance(message, Remake):
                 if data is not None:

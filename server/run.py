@@ -136,7 +136,8 @@ class Consumer:
             e = run.fatal
             raise LoaderBrokenError(
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
-                f"{e.message}\nOriginal {e.traceback.rstrip()}"
+                f"{e.message}\nOriginal {e.traceback.rstrip()}",
+                remote=e,
             )
         if self._detached is not None:
             raise (ClosingError if run.closed_by_server else DetachedError)(self._detached)
@@ -335,7 +336,12 @@ class Run:
                     self.policy.set_window(self._window)
                 try:
                     # Inside: a Ray pool whose bridge is gone fails here already.
-                    engine.begin_epoch(self.plan.base_seed, self.key.compression)
+                    engine.begin_epoch(
+                        self.plan.base_seed,
+                        self.key.compression,
+                        epoch=self.plan.epoch,
+                        shared_seed=self.plan.shared_seed,
+                    )
                     while self._step(engine):
                         pass
                 except (WorkerDiedError, WorkerInitError):
@@ -430,7 +436,9 @@ class Run:
         """Submits tasks while the engine has room, the lanes taking turns (fairness)."""
         lanes = self.policy.lanes
         n = len(lanes)
-        while engine.outstanding < engine.max_outstanding:
+        # has_room: in_order = false sends only to a worker with room (NOTE [ Dispatch ]); no
+        # task is drawn until one has.
+        while engine.outstanding < engine.max_outstanding and engine.has_room():
             for i in range(n):
                 lane = lanes[(self._turn + i) % n]
                 self.policy.make_room(lane)

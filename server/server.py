@@ -30,6 +30,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.auth import TokenInterceptor
+from remote_loader.server.forkserver import (
+    imported_since,
+    refuse_while_bootstrapping,
+    start_fork_server,
+)
 from remote_loader.server.host import LoaderHost
 from remote_loader.server.kept import KeptPools
 from remote_loader.server.listen import check_address_free
@@ -48,17 +53,16 @@ UNARY_THREADS = 8
 # Calls that may wait for a thread beyond those: past it gRPC answers RESOURCE_EXHAUSTED on its
 # own (a flood, not the stream limit, which LoaderService.Stream enforces).
 CALL_BACKLOG = 256
-# Modules the fork server imports once, so each worker starts as a fork of a warm process.
-FORKSERVER_PRELOAD = ["torch", "numpy", "remote_loader.server.worker"]
 
 
 class Server:
     """Serves `loaders` (LoaderSpecs, or a mapping of name to spec) as `settings` say
     (ServerSettings(); every setting has a default).
 
-    Made, it has built every loader (datasets, option checks, persistent workers: all before any
-    gRPC thread, see `worker_context`) and bound its ports, so `port` is known; `start()` serves,
-    `stop()` drains and stops. As a context manager it starts on entry and stops on exit.
+    Made, it has built every loader (datasets, option checks, the fork server, persistent
+    workers: all before any gRPC thread, see server/forkserver.py) and bound its ports, so
+    `port` is known; `start()` serves, `stop()` drains and stops. As a context manager it
+    starts on entry and stops on exit.
     Health (`grpc.health.v1`, service "" and "remote_loader.v1.Loader") is SERVING once started
     and NOT_SERVING while draining.
     """
@@ -196,78 +200,6 @@ def serve(
     return 0
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context for workers: a fork server, started now.
-
-    Forking a process that runs gRPC threads is unsafe (grpc/grpc#16001), and workers are
-    started while the server runs (non-persistent pools, replacements). The fork server is a
-    fresh interpreter started here, before any gRPC server, that forks the workers for us.
-    """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    # The fork server imports the preload list (torch: about a second) before it forks anything;
-    # start one process now so that cost is paid at start-up, not by the first stream.
-    warmup = ctx.Process(target=_noop, name="remote-loader-warmup")
-    warmup.start()
-    warmup.join()
-    if warmup.exitcode != 0:
-        # _noop cannot fail: the process died while it bootstrapped, i.e. while it imported
-        # the main module again. See NOTE [ Main module guard ].
-        raise RuntimeError(
-            f"the server's worker processes cannot start: one exited with code "
-            f"{warmup.exitcode} before it ran anything. {_guard_advice()}"
-        )
-    return ctx
-
-
-def _noop() -> None:
-    pass
-
-
-# NOTE [ Main module guard ]
-#
-# Workers are started by multiprocessing's forkserver (see worker_context), and every process
-# it starts first imports the parent's main module again, as `__mp_main__`, so that what the
-# script defines can be unpickled there. A script that builds a Server at its top level, with
-# no `if __name__ == "__main__":` guard, builds one again in each of them, while that process
-# is still bootstrapping: multiprocessing refuses to start a process then ("An attempt has
-# been made to start a new process before the current process has finished its bootstrapping
-# phase"), the child exits 1, and the pool would see its workers die at start, 7 times in a
-# row. Two checks name the guard instead:
-#
-#   child:  Server() while current_process()._inheriting (set by multiprocessing.spawn for
-#           exactly that import)  -> RuntimeError naming the guard, on the child's stderr
-#   parent: worker_context's warm-up process (a no-op) exits non-zero -> it died importing the
-#           main module -> RuntimeError naming the guard, raised by Server()
-
-
-def _guard_advice() -> str:
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    script = f" ({path})" if path else ""
-    return (
-        f"Each worker process imports the main module{script} again, as multiprocessing's "
-        "forkserver and spawn start methods do, and that import failed there: a script that "
-        'builds a Server must do so under `if __name__ == "__main__":` (NOTE [ Main module '
-        "guard ] in remote_loader.server.server); the worker's own error is above."
-    )
-
-
-def refuse_while_bootstrapping() -> None:
-    """Raises RuntimeError naming the `if __name__ == "__main__":` guard when called while this
-    process, a child of multiprocessing, imports its parent's main module (NOTE [ Main
-    module guard ])."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "a Server is being built while a worker process imports the main module again "
-            "(multiprocessing's bootstrapping phase), which would start a server in every "
-            'worker: build it under `if __name__ == "__main__":` in your script'
-        )
-
-
 def build_hosts(
     specs: Mapping[str, LoaderSpec],
     ctx: multiprocessing.context.BaseContext | None = None,
@@ -278,8 +210,12 @@ def build_hosts(
     ray_node_fetch: bool = ServerSettings.ray_node_fetch,
     metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
-    """Builds and starts every loader (datasets, option checks, persistent workers)."""
-    ctx = ctx or worker_context()
+    """Builds and starts every loader (datasets, option checks, persistent workers); without
+    `ctx`, starts the fork server in between, once the datasets are built, preloading what
+    they imported (NOTE [ Fork server preload ] in server/forkserver.py)."""
+    before = set(sys.modules)
+    start = ctx is None
+    ctx = ctx or multiprocessing.get_context("forkserver")
     hosts: dict[str, LoaderHost] = {}
     kept = KeptPools()  # idle pools, shared: one loader's make room for another's
     try:
@@ -294,7 +230,10 @@ def build_hosts(
                 metrics_max_consumers=metrics_max_consumers,
                 kept=kept,
             )
-            hosts[name].start()
+        if start:
+            start_fork_server(ctx, imported_since(before, [h.dataset for h in hosts.values()]))
+        for host in hosts.values():
+            host.start()
     except BaseException:
         for host in hosts.values():
             host.close()

@@ -1,7 +1,8 @@
 """The worker stage: a process that turns tasks (indices) into encoded batches in shared memory.
 
-Also holds the pieces the in-process path (num_workers = 0) shares with it: building the
-dataset, seeding like torch, fetching and collating one task, and the error-as-value type.
+Also holds what a Ray actor (server/ray_actor.py) shares with it, a worker's state across epochs
+and making one task's batch, and the error-as-value type. Seeding and fetching like torch are
+server/fetcher.py's; the dataset a worker starts from, server/dataset_once.py's.
 """
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import random
 import signal
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.data._utils.worker as torch_worker
 
@@ -25,6 +24,8 @@ from remote_loader.protos import slots as slot_protocol
 from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.allocator import settle_allocator
 from remote_loader.server.collating import Arena, WorkerSlots, stacking_into, use_collate_buffers
+from remote_loader.server.dataset_once import SharedDataset, begin_dataset_epoch
+from remote_loader.server.fetcher import Fetcher, seed_rngs
 from remote_loader.server.sampling import Batching
 from remote_loader.server.spec import LoaderSpec, resolve
 
@@ -60,17 +61,38 @@ def check_batch_size(nbytes: int, limit: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RemoteError:
-    """An exception raised on the server, carried as a value to where it is consumed."""
+    """An exception raised on the server, carried as a value to where it is consumed.
+
+    `module` and `qualname` name the exception's class (`builtins` / `ValueError`), so the
+    trainer can raise it as its own type, as torch's ExceptionWrapper.reraise does. For one of
+    the server's own classes, which a trainer does not import, they name the builtin class it
+    derives from (a worker's death, WorkerDiedError: RuntimeError, as torch raises it), `type`
+    keeping its own name; empty for an error made up without an exception (no class behind it).
+    """
 
     where: str
     type: str
     message: str
     traceback: str
+    module: str = ""
+    qualname: str = ""
 
     @classmethod
     def capture(cls, where: str, exc: BaseException) -> RemoteError:
         text = "".join(traceback.format_exception(exc))
-        return cls(where=where, type=type(exc).__name__, message=str(exc), traceback=text)
+        kind = type(exc)
+        if kind.__module__.startswith("remote_loader."):
+            raised = next(c for c in kind.__mro__ if c.__module__ == "builtins")
+        else:
+            raised = kind
+        return cls(
+            where=where,
+            type=kind.__name__,
+            message=str(exc),
+            traceback=text,
+            module=raised.__module__,
+            qualname=raised.__qualname__,
+        )
 
 
 # --- messages on the queues (see NOTE [ Pool Protocol ] in server/pool.py) -----------------
@@ -85,6 +107,11 @@ class EpochStart:
     # "lz4" / "zstd": compress the epoch's leaves that shrink (NOTE [ Compression ] in
     # protos/compression.py); "": none.
     compression: str = ""
+    # The loader's epoch, as the stream asked for it (not epoch_key, the pool's count), for the
+    # dataset's set_epoch; and an IterDataPipe's shared seed (None: not one). NOTE [ Epoch
+    # hooks ] in server/dataset_once.py.
+    epoch: int = 0
+    shared_seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,81 +184,30 @@ class WorkerConfig:
     # An encoded batch bigger than this is an error at its position (the server setting
     # max_batch_bytes; see check_batch_size).
     max_batch_bytes: int
+    # The loader's dataset, pickled once (NOTE [ One dataset per loader ]).
+    dataset: SharedDataset
 
 
-# --- pieces shared with the in-process path ---------------------------------------------
-
-
-def build_dataset(spec: LoaderSpec) -> Any:
-    """Calls the spec's dataset factory (datasets are built where they are used, never pickled)."""
-    factory = resolve(spec.dataset, "dataset")
-    return factory(**spec.dataset_kwargs)
-
-
-def seed_rngs(base_seed: int, worker_id: int) -> int:
-    """Seeds `random`, `torch` and `numpy` the way torch's _worker_loop does; returns the seed."""
-    seed = base_seed + worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    # torch derives numpy's 128-bit seed from (base_seed, worker_id) with this function; using it
-    # (rather than a look-alike) is what makes numpy augmentations match a local DataLoader.
-    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-    return seed
-
-
-class Fetcher:
-    """Turns one task into one collated batch (torch's _MapDatasetFetcher and
-    _IterableDatasetFetcher in one)."""
-
-    def __init__(self, dataset: Any, batching: Batching, collate_fn: Callable[[Any], Any]) -> None:
-        self.dataset = dataset
-        self.batching = batching
-        self.collate_fn = collate_fn
-        self._iter: Any = iter(dataset) if batching.is_iterable else None
-        self.ended = False
-
-    def fetch(self, indices: Any) -> Any:
-        """The collated batch; raises StopIteration when an IterableDataset has run dry."""
-        if self.batching.is_iterable:
-            return self._fetch_iterable(indices)
-        if self.batching.auto_collation:
-            getitems = getattr(self.dataset, "__getitems__", None)
-            data = getitems(indices) if getitems else [self.dataset[i] for i in indices]
-        else:
-            data = self.dataset[indices]
-        return self.collate_fn(data)
-
-    def _fetch_iterable(self, indices: Any) -> Any:
-        if self.ended:
-            raise StopIteration
-        if not self.batching.auto_collation:
-            try:
-                return self.collate_fn(next(self._iter))
-            except StopIteration:
-                self.ended = True
-                raise
-        data = []
-        for _ in indices:
-            try:
-                data.append(next(self._iter))
-            except StopIteration:
-                self.ended = True
-                break
-        if not data or (self.batching.drop_last and len(data) < len(indices)):
-            raise StopIteration
-        return self.collate_fn(data)
+# --- what a worker keeps across epochs ---------------------------------------------------
 
 
 class WorkerState:
     """What one worker keeps across epochs, a worker process (`worker_loop`) or a Ray actor
-    (server/ray_actor.py) alike: its own dataset and collate_fn (built where they are used,
-    never pickled), whether worker_init_fn has run, and the current epoch's fetcher and
-    compressor. `init_error` is set once the dataset factory, the collate_fn or worker_init_fn
+    (server/ray_actor.py) alike: its copy of the loader's one dataset (NOTE [ One dataset per
+    loader ] in server/dataset_once.py) and its collate_fn, whether worker_init_fn has run, and
+    the current epoch's fetcher and compressor. `init_error` is set once the dataset (read from
+    its pickle, or built by the factory), the collate_fn, an epoch hook or worker_init_fn
     raised: every task is then answered with it (fatal), nothing more is tried.
     """
 
     def __init__(
-        self, spec: LoaderSpec, batching: Batching, worker_id: int, num_workers: int, where: str
+        self,
+        spec: LoaderSpec,
+        batching: Batching,
+        worker_id: int,
+        num_workers: int,
+        where: str,
+        dataset: SharedDataset,
     ) -> None:
         self.spec = spec
         self.batching = batching
@@ -245,30 +221,34 @@ class WorkerState:
         self.compressor: Compressor | None = None
         self.initialized = False  # worker_init_fn has run (it runs once per worker)
         try:
-            self.dataset = build_dataset(spec)
+            self.dataset = dataset.load(spec)
             self.collate_fn = batching.collate_fn(spec)
         except Exception as exc:
             self.init_error = RemoteError.capture(where, exc)
 
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
+    def begin_epoch(self, start: EpochStart) -> None:
         """The worker's epoch start, as torch's _worker_loop does it: seed random, torch and
         numpy from base_seed + worker_id, set get_worker_info() (an IterableDataset shards
-        itself by it), run worker_init_fn once, restart the dataset iterator; the epoch's
-        batches are compressed with `compression` ("": none)."""
+        itself by it), the epoch hooks (NOTE [ Epoch hooks ] in server/dataset_once.py), run
+        worker_init_fn once, restart the dataset iterator; the epoch's batches are compressed
+        as `start` says."""
         if self.init_error is not None:
             return
-        seed = seed_rngs(base_seed, self.worker_id)
+        seed = seed_rngs(start.base_seed, self.worker_id)
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=self.worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
         )
         try:
+            self.dataset = begin_dataset_epoch(
+                self.dataset, start.epoch, self.worker_id, self.num_workers, start.shared_seed
+            )
             init_fn = self.spec.parts.pool.worker_init_fn
             if not self.initialized and init_fn:
                 resolve(init_fn, "worker_init_fn")(self.worker_id)
             self.initialized = True
             assert self.collate_fn is not None
             self.fetcher = Fetcher(self.dataset, self.batching, self.collate_fn)
-            self.compressor = compressor_for(compression, self.compressor)
+            self.compressor = compressor_for(start.compression, self.compressor)
         except Exception as exc:
             self.init_error = RemoteError.capture(self.where, exc)
 
@@ -314,6 +294,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         cfg.worker_id,
         cfg.num_workers,
         f"in DataLoader worker process {cfg.worker_id}",
+        cfg.dataset,
     )
     slots = WorkerSlots()
     epoch_key = -1
@@ -328,7 +309,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             return
         if isinstance(msg, EpochStart):
             epoch_key = msg.epoch_key
-            state.begin_epoch(msg.base_seed, msg.compression)
+            state.begin_epoch(msg)
             continue
         slots.release(msg.released)
         if msg.epoch_key != epoch_key or msg.epoch_key != cfg.current_epoch.value:

@@ -50,11 +50,16 @@ class FakeEngine:
         with self._lock:
             return len(self._pending)
 
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
+    def begin_epoch(
+        self, base_seed: int, compression: str = "", *, epoch: int, shared_seed: int | None = None
+    ) -> None:
         pass
 
     def end_epoch(self) -> None:
         pass
+
+    def has_room(self) -> bool:
+        return True
 
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
         with self._lock:
