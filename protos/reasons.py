@@ -22,16 +22,31 @@ broken stream, which is what IDLE_STREAM means to it anyway).
 
 Reasons are lower-case words joined by "-", at most REASON_LIMIT characters; a client meeting
 one it does not know (a newer server) falls back to the status code.
+
+A loader that cannot make any batch (LOADER_BROKEN: its dataset factory or worker_init_fn raised
+in the workers) also sends the exception itself under ERROR_KEY: a serialized RemoteError (the
+message an error Frame carries, module and qualname included), so the client can raise it as
+its own type, as torch's DataLoader re-raises a worker's exception (`remote_error_of`). Its
+message and traceback, and the status details, are clipped in the middle (server/status.py) so
+the whole trailer stays under gRPC's default 8 KiB metadata limit: past it, the client would
+see RESOURCE_EXHAUSTED instead of the error. A client that does not know the key ignores it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from google.protobuf.message import DecodeError
+
+from remote_loader.protos import loader_pb2 as pb
+
 # The trailing-metadata key of a call's reason (lower case: gRPC metadata keys are).
 REASON_KEY = "rl-reason"
 # A reason longer than this is not one of ours: ignored, the status code decides.
 REASON_LIMIT = 64
+# The trailing-metadata key of a broken loader's original exception: a serialized RemoteError
+# (binary: gRPC requires such keys to end in "-bin").
+ERROR_KEY = "rl-error-bin"
 
 # Request refused for its values (INVALID_ARGUMENT).
 INVALID_REQUEST = "invalid-request"
@@ -105,4 +120,17 @@ def reason_of(trailing: Sequence[tuple[str, str | bytes]] | None) -> str | None:
             continue
         text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
         return text if len(text) <= REASON_LIMIT and text in REASONS else None
+    return None
+
+
+def remote_error_of(trailing: Sequence[tuple[str, str | bytes]] | None) -> pb.RemoteError | None:
+    """The exception a call's trailing metadata carries under ERROR_KEY; None if it has none
+    (an older server, another kind of error) or it does not decode."""
+    for key, value in trailing or ():
+        if key != ERROR_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            return pb.RemoteError.FromString(value)
+        except DecodeError:
+            return None
     return None

@@ -28,9 +28,12 @@ engine) are caught where they are raised.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from remote_loader.protos import reasons
+
+if TYPE_CHECKING:  # the worker stage's error value, only carried here
+    from remote_loader.server.worker import RemoteError
 
 # Characters of a client-chosen value (a loader or job name, a fingerprint) that errors and logs
 # echo: a 60 KB loader name echoed whole in NOT_FOUND made its status larger than gRPC's
@@ -82,10 +85,15 @@ class LoaderNotNamed(LoaderNotFound):
 
 class LoaderBrokenError(ServerError):
     """The loader cannot make any batch: the dataset factory or the worker_init_fn raised in
-    its workers. The message carries the original traceback."""
+    its workers. The message carries the original traceback; `remote`, the exception itself,
+    goes in the trailing metadata too (ERROR_KEY, NOTE [ Error reasons ])."""
 
     status = "FAILED_PRECONDITION"
     reason = reasons.LOADER_BROKEN
+
+    def __init__(self, message: str, remote: RemoteError | None = None) -> None:
+        super().__init__(message)
+        self.remote = remote
 
 
 class SpecChanged(ServerError):

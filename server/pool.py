@@ -1,8 +1,9 @@
 """The pool core: one epoch at a time of a loader's workers, whatever runs them.
 
 A pool runs one epoch at a time for one Run (server/run.py), which decides which task comes
-next and puts results back in order. The core sends each task to the next worker that still has
-data, round-robin as torch's _MultiProcessingDataLoaderIter does, keeps at most
+next and puts results back in order. The core sends each task to a worker chosen as torch's
+_MultiProcessingDataLoaderIter chooses (round-robin; with in_order = false, only to a worker
+with room: NOTE [ Dispatch ] in server/dispatch.py), keeps at most
 prefetch_factor * num_workers of them out, and hands back each task's outcome as it completes.
 
 It owns the task ledger (server/supervision.py), the workers' shared-memory slots
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from remote_loader.server.autotune import Resizer, new_tuner
+from remote_loader.server.dispatch import dispatch_for
 from remote_loader.server.engine import (
     POLL_INTERVAL,
     Delivery,
@@ -55,7 +57,7 @@ __all__ = ["WorkerPool"]
 #   begin_epoch: current_epoch.value = key,    on EpochStart(key, base_seed):
 #     EpochStart(key, base_seed) to all          seed random/torch/numpy from base_seed + id,
 #   submit: Task(key, id, indices) to the        set get_worker_info(), worker_init_fn (once),
-#     next worker still active                   restart the dataset iterator
+#     worker dispatch picks (NOTE [ Dispatch ])  restart the dataset iterator
 #   poll (waits on the result pipes):          on Task(key, id, indices, released):
 #     workers alive? a task past timeout?        mark `released` slots free
 #     stale epoch: release its slot              skip if key is not current_epoch.value
@@ -134,14 +136,16 @@ class WorkerPool:
         self._closed = False
         # Set by the Run when the pool failed: it must not run another epoch.
         self.broken = False
-        # The current epoch (begin_epoch): its key and base seed, whether it still runs, which
-        # workers still take tasks, and the tasks submitted and not yet polled back.
+        # The current epoch (begin_epoch): its key and what its workers begin it with, whether
+        # it still runs, which workers still take tasks, and the tasks submitted and not yet
+        # polled back.
         self._key = -1
-        self._base_seed = 0
-        self._compression = ""
+        self._start = EpochStart(-1, 0)
         self._in_epoch = False
         self._active: list[bool] = []
-        self._worker_cycle: itertools.cycle[int] = itertools.cycle(range(self.num_workers))
+        # Which worker takes the next task (NOTE [ Dispatch ]): in turn, or in turn among those
+        # with room (in_order = false).
+        self._dispatch = dispatch_for(spec.parts.batching.in_order, self.num_workers)
         self._ledger = TaskLedger(self.num_workers, iterable=batching.is_iterable)
         self._supervisor = Supervisor(
             spec,
@@ -211,14 +215,16 @@ class WorkerPool:
 
     # --- one epoch (called by the Run's thread only) -------------------------------------
 
-    def begin_epoch(self, base_seed: int, compression: str = "") -> None:
-        """Reseeds the workers and restarts their dataset iterators for a new epoch, whose
-        batches they compress with `compression` ("": none; NOTE [ Compression ])."""
+    def begin_epoch(
+        self, base_seed: int, compression: str = "", *, epoch: int, shared_seed: int | None = None
+    ) -> None:
+        """Reseeds the workers and restarts their dataset iterators for the loader's epoch
+        `epoch` (NOTE [ Epoch hooks ] in server/dataset_once.py), whose batches they compress
+        with `compression` ("": none; NOTE [ Compression ])."""
         if self._closed:
             raise RuntimeError("this worker pool has been shut down")
         self._key = next(self._epoch_keys)
-        self._base_seed = base_seed
-        self._compression = compression
+        self._start = EpochStart(self._key, base_seed, compression, epoch, shared_seed)
         self._in_epoch = True
         self._backend.set_epoch(self._key)
         for worker_id in range(self.num_workers):
@@ -228,29 +234,38 @@ class WorkerPool:
         self._ledger.begin_epoch()
         self._supervisor.clear()
 
+    def has_room(self) -> bool:
+        """Whether a task submitted now is sent at once: False while every worker that takes
+        tasks holds its share (in_order = false, NOTE [ Dispatch ]), until a result frees one."""
+        return self._dispatch.has_room(self._takes, self._held, self.max_outstanding)
+
     def submit(self, task_id: int, indices: Any, seed: int | None = None) -> bool:
-        """Sends a task (with its per-batch seed, if any) to the next active worker; False when
-        every worker has run dry."""
-        worker_id = self._next_worker()
+        """Sends a task (with its per-batch seed, if any) to the worker dispatch picks; False
+        when every worker has run dry. Only while `has_room()`."""
+        if not self.has_room():
+            # A task taken from the sampler now would wait with no worker: the Run asks first.
+            raise RuntimeError("submit() while no worker has room: ask has_room() first")
+        worker_id = self._dispatch.pick(self._takes, self._held, self.max_outstanding)
         if worker_id is None:
             return False
         self._send(self._ledger.add(task_id, indices, seed, worker_id))
         return True
 
-    def _next_worker(self) -> int | None:
-        short = self._supervisor.short
-        for _ in range(self.num_workers):
-            worker_id = next(self._worker_cycle)
-            if self._active[worker_id] and worker_id not in short:
-                return worker_id
-        return None
+    def _takes(self, worker_id: int) -> bool:
+        """Whether `worker_id` is given tasks: its data has not run dry, autotuning is not
+        draining it, and it is not short (NOTE [ Capacity lost ])."""
+        return self._active[worker_id] and worker_id not in self._supervisor.short
+
+    def _held(self, worker_id: int) -> int:
+        return len(self._ledger.held_by(worker_id))
 
     def _reassign(self, worker_id: int) -> int:
-        """The Supervisor's, for a worker gone short: its tasks go to the others, in order,
-        while another worker takes tasks; how many moved."""
+        """The Supervisor's, for a worker gone short: its tasks go to the others, in order and
+        in turn whatever they hold (they are out already: NOTE [ Dispatch ]), while another
+        worker takes tasks; how many moved."""
         held = self._ledger.held_by(worker_id)
         for moved, pending in enumerate(held):
-            other = self._next_worker()
+            other = self._dispatch.in_turn(self._takes)
             if other is None:
                 return moved
             self._send(self._ledger.move(pending, other))
@@ -263,7 +278,7 @@ class WorkerPool:
         self._metrics.pool_started(str(info["backend"]), int(info["nodes"]), self.working)
 
     def _epoch_start(self) -> EpochStart:
-        return EpochStart(self._key, self._base_seed, self._compression)
+        return self._start
 
     def _send(self, pending: PendingTask) -> None:
         w = pending.worker_id
@@ -390,7 +405,7 @@ class WorkerPool:
         self.max_outstanding = in_flight_bound(self.prefetch, self.working)
         self._ledger.resize(n)
         self._active = [True] * n
-        self._worker_cycle = itertools.cycle(range(n))
+        self._dispatch.resize(n)
 
     def shutdown(self) -> None:
         """Stops the workers. See NOTE [ Pool Shutdown ]."""

@@ -16,11 +16,18 @@ import dataclasses
 import hashlib
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    IterDataPipe,
+)
 
 from remote_loader.server.spec import LoaderSpec, resolve
 
@@ -79,7 +86,50 @@ def build_dataloader(
         prefetch_factor=spec.prefetch_factor,
         persistent_workers=spec.persistent_workers,
         in_order=spec.in_order,
+        # Checked by torch (its messages); the workers start from the fork server whatever it
+        # says (LoaderSpec.multiprocessing_context).
+        multiprocessing_context=spec.multiprocessing_context,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderWarning:
+    """A warning torch's DataLoader machinery gave for a loader (LoaderInfo.warnings)."""
+
+    # The warning's class: its name for a builtin ("UserWarning"), else "module.qualname".
+    category: str
+    message: str
+
+
+def dataloader_with_warnings(
+    spec: LoaderSpec, dataset: Any
+) -> tuple[DataLoader[Any], tuple[LoaderWarning, ...]]:
+    """build_dataloader, and the warnings torch gives for the loader, each once: those of
+    building it, and those of the check torch makes again when it creates a multiprocess
+    iterator (check_worker_number_rationality: more workers than this process's CPUs). The
+    server's log has them at start-up and Describe hands them to the trainers, which
+    would have seen them from a local DataLoader.
+
+    Recorded, not raised nor shown: catch_warnings (which is not thread-safe; this runs while
+    loaders are built, before the server serves) with every warning let through, so neither a
+    filter that turns them into errors (pytest's) nor one that shows them once hides them.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = build_dataloader(spec, dataset)
+        if loader.num_workers > 0:  # as torch's DataLoader._get_iterator does
+            loader.check_worker_number_rationality()
+    found: dict[tuple[str, str], LoaderWarning] = {}
+    for record in caught:
+        warning = LoaderWarning(_category_name(record.category), str(record.message))
+        found.setdefault((warning.category, warning.message), warning)
+    return loader, tuple(found.values())
+
+
+def _category_name(category: type[Warning]) -> str:
+    if category.__module__ == "builtins":
+        return category.__qualname__
+    return f"{category.__module__}.{category.__qualname__}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +178,9 @@ class EpochPlan:
     lane: Callable[[int], Iterator[Any]]
     indices: Callable[[int], list[int]] | None = None
     tasks: Callable[[], list[Any]] | None = None
+    # An IterDataPipe's: the seed of its random pipes (NOTE [ Epoch hooks ] in
+    # server/dataset_once.py); None for any other dataset.
+    shared_seed: int | None = None
 
 
 def share(items: Sequence[Any], rank: int, world_size: int, drop_last: bool) -> list[Any]:
@@ -234,13 +287,25 @@ def plan_epoch(
     loader = build_dataloader(spec, dataset, generator)
     index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     sampler = loader.sampler
-    set_epoch = getattr(sampler, "set_epoch", None)
-    if callable(set_epoch):  # DistributedSampler-style samplers reshuffle per epoch this way
-        set_epoch(epoch)
+    # DistributedSampler-style samplers (and batch samplers) reshuffle per epoch this way.
+    for hooked in (sampler, loader.batch_sampler):
+        set_epoch = getattr(hooked, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
     if world_size == 1:
+        # torch's iterator draws an IterDataPipe's shared seed first (_share_dist_seed).
+        shared_seed = _draw_base_seed(generator) if isinstance(dataset, IterDataPipe) else None
         tasks = iter(index_sampler)
         base_seed = _draw_base_seed(generator)
-        return EpochPlan(seed, epoch, base_seed, 1, lambda rank: tasks, tasks=lambda: list(tasks))
+        return EpochPlan(
+            seed,
+            epoch,
+            base_seed,
+            1,
+            lambda rank: tasks,
+            tasks=lambda: list(tasks),
+            shared_seed=shared_seed,
+        )
 
     if isinstance(dataset, IterableDataset):
         raise ValueError("an IterableDataset cannot be partitioned by the server")

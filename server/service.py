@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import grpc
 
-from remote_loader.protos import compression, reasons, shm, wire
+from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp as tcp_protocol
 from remote_loader.server.admission import Admission, StreamSlot
@@ -39,6 +39,7 @@ from remote_loader.server.membership import DEFAULT_JOB, Membership
 from remote_loader.server.policies import policy_for
 from remote_loader.server.run import Consumer
 from remote_loader.server.settings import ServerSettings
+from remote_loader.server.status import trailer
 from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,
@@ -174,6 +175,10 @@ class LoaderService:
             info.pool.backend = pool.backend
             info.pool.nodes = int(started.get("nodes", 0))
             info.pool.workers = int(started.get("workers", pool.num_workers))
+        # What a local DataLoader would have warned the trainer about (server/sampling.py).
+        info.warnings.extend(
+            pb.LoaderWarning(category=w.category, message=w.message) for w in host.warnings
+        )
         return info
 
     def Stream(
@@ -432,8 +437,10 @@ def _statuses(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 def _abort_with(context: grpc.ServicerContext, error: ServerError) -> NoReturn:
-    """Ends the call with `error`'s status and message, and its reason in the trailing
-    metadata (NOTE [ Error reasons ]): abort sends what set_trailing_metadata set."""
-    context.set_trailing_metadata(reasons.metadata(error.reason))
-    context.abort(grpc.StatusCode[error.status], str(error))
+    """Ends the call with `error`'s status and message, and its reason (and a broken loader's
+    exception) in the trailing metadata (NOTE [ Error reasons ], server/status.py): abort
+    sends what set_trailing_metadata set."""
+    details, metadata = trailer(error)
+    context.set_trailing_metadata(metadata)
+    context.abort(grpc.StatusCode[error.status], details)
     raise AssertionError("unreachable: context.abort raises")

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import multiprocessing.context
 import os
 import sys
 import tomllib
@@ -80,6 +81,16 @@ class LoaderSpec:
     worker_init_fn: str | None = None
     timeout: float = 0
     in_order: bool = True
+    # torch's start method for the workers: "fork", "spawn" or "forkserver" (a context object
+    # is kept as its name), checked by torch when the loader is built (its messages). Accepted
+    # so a DataLoader's keywords carry over; the server starts every loader's workers the same
+    # way whatever it says: forked from the server's fork server, a process started before
+    # gRPC that holds no gRPC thread (grpc/grpc#16001), never from the server itself. Each
+    # worker starts from the loader's one dataset, pickled once in the server (NOTE [ One
+    # dataset per loader ] in server/dataset_once.py), as "spawn" and "forkserver" give it;
+    # what "fork" alone would add, the rest of the server process's state, is not inherited (a
+    # dataset that cannot be pickled is built by each worker, with a warning).
+    multiprocessing_context: str | None = None
     seed: int = 0
     # See SEEDING_MODES; "per_batch" makes a batch independent of which worker made it, of the
     # worker count, of respawns and of where an epoch was resumed.
@@ -126,6 +137,13 @@ class LoaderSpec:
     def __post_init__(self) -> None:
         where = f"loader {self.name!r}"
         self._check_auto(where)
+        context: object = self.multiprocessing_context
+        if isinstance(context, multiprocessing.context.BaseContext):
+            # What torch accepts from Python; the spec keeps plain values (fingerprint, logs).
+            # allow_none: the default context would otherwise fix this process's start method.
+            method = context.get_start_method(allow_none=True)
+            default = multiprocessing.get_all_start_methods()[0]  # the platform's default
+            object.__setattr__(self, "multiprocessing_context", method or default)
         modes = tuple(self.sharing)
         unknown = [m for m in modes if m not in SHARING_MODES]
         if not modes or unknown:
@@ -247,9 +265,10 @@ class LoaderSpec:
         """A digest of everything that decides which batches an epoch holds.
 
         The name is left out (renaming a loader does not change its data); num_workers,
-        prefetch_factor, persistent_workers, timeout and in_order are left out too, since batch
-        contents and order do not depend on them, and so are the sharing options that only
-        decide who may attach and how long they may lag, and where the workers run.
+        prefetch_factor, persistent_workers, timeout, in_order and multiprocessing_context are
+        left out too, since batch contents and order do not depend on them, and so are the
+        sharing options that only decide who may attach and how long they may lag, and where
+        the workers run.
 
         Computed once: the spec is frozen, and every stream's request is checked against it.
         """
@@ -264,6 +283,7 @@ class LoaderSpec:
             "persistent_workers",
             "timeout",
             "in_order",
+            "multiprocessing_context",
             "sharing",
             "broadcast_window",
             *SHARING_TIMEOUTS,
@@ -381,6 +401,13 @@ def _check_type(name: str, key: str, value: Any) -> Any:
                 f"{where} must be a list of modes ({', '.join(SHARING_MODES)}), got {value!r}"
             )
         return tuple(value)
+    if key == "multiprocessing_context":
+        if not isinstance(value, str):
+            # torch's own check (server/sampling.py) judges the name, with its message.
+            raise ConfigError(
+                f"{where} must be a start method's name (fork, spawn, forkserver), got {value!r}"
+            )
+        return value
     if key in ("seeding", "pool"):
         modes = SEEDING_MODES if key == "seeding" else POOL_BACKENDS
         if not isinstance(value, str):

@@ -73,6 +73,13 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-init-fn", metavar="module:callable")
     g.add_argument("--timeout", type=float, default=0.0)
     g.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--multiprocessing-context",
+        default=None,
+        metavar="fork|spawn|forkserver",
+        help="accepted as torch's DataLoader accepts it; workers always start from the "
+        "server's fork server (see the README's options)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--seeding", choices=SEEDING_MODES, default="worker")
     g.add_argument(

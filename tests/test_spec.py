@@ -73,6 +73,10 @@ batch_size = "none"
             "broadcast_window must be at least 1",
         ),
         ('[loaders.a]\ndataset = "m:f"\ndetach_timeout = 0', "detach_timeout must be a positive"),
+        (
+            '[loaders.a]\ndataset = "m:f"\nmultiprocessing_context = 1',
+            "multiprocessing_context' must be a start method's name",
+        ),
         ("[server]\nx = 1", "defines no loader"),
         ("[loaders.a\n", "not valid TOML"),
     ],
@@ -144,7 +148,12 @@ def test_fingerprint_tracks_what_decides_the_batches() -> None:
     )
     # Who may attach and how long they may lag does not change the data; how shares are cut and
     # how batches are seeded does.
-    same: dict[str, Any] = {"sharing": ("broadcast",), "broadcast_window": 2, "detach_timeout": 1.0}
+    same: dict[str, Any] = {
+        "sharing": ("broadcast",),
+        "broadcast_window": 2,
+        "detach_timeout": 1.0,
+        "multiprocessing_context": "spawn",  # the workers start the same way whatever it says
+    }
     other: list[dict[str, Any]] = [{"partition_drop_last": True}, {"seeding": "per_batch"}]
     spec: dict[str, Any] = {"name": "a", "dataset": "tests.datasets:Squares", "batch_size": 4}
     assert LoaderSpec(**spec, **same).fingerprint() == a.fingerprint()
@@ -172,6 +181,9 @@ CONFLICTS: list[tuple[dict[str, Any], str]] = [
     ),
     ({"batch_size": None, "drop_last": True}, "Squares"),
     ({"batch_size": 0}, "Squares"),
+    # torch's start methods are fork, spawn and forkserver, and only with workers.
+    ({"num_workers": 1, "multiprocessing_context": "threads"}, "Squares"),
+    ({"multiprocessing_context": "spawn"}, "Squares"),
 ]
 
 

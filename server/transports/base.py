@@ -73,7 +73,19 @@ class InbandSender:
         pass
 
 
+def remote_error(e: RemoteError) -> pb.RemoteError:
+    """`e` as the wire carries it: in an error Frame, and in the trailing metadata of a loader
+    that cannot make any batch (protos/reasons.py, ERROR_KEY)."""
+    return pb.RemoteError(
+        where=e.where,
+        type=e.type,
+        message=e.message,
+        traceback=e.traceback,
+        module=e.module,
+        qualname=e.qualname,
+    )
+
+
 def error_frame(batch: int, e: RemoteError) -> bytes:
     """The Frame that says batch `batch` failed, with the original exception `e`."""
-    error = pb.RemoteError(where=e.where, type=e.type, message=e.message, traceback=e.traceback)
-    return wire.control_frame(pb.Frame(batch=batch, error=error))
+    return wire.control_frame(pb.Frame(batch=batch, error=remote_error(e)))

@@ -1,0 +1,321 @@
+"""The server's half of torch's DataLoader contract, each part against torch's own DataLoader
+in the same test: a worker's exception named by its class on the wire (a batch's error Frame,
+and a broken loader's trailer), in_order = false dispatching only to workers with room, the
+start methods torch accepts, and torch's warnings for a loader handed to trainers by Describe.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from torch.utils.data import DataLoader
+
+from remote_loader.client import RemoteLoader
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import reasons
+from remote_loader.server.engine import WorkerDiedError
+from remote_loader.server.pool import WorkerPool
+from remote_loader.server.pool_backend import Event, Short
+from remote_loader.server.sampling import Batching
+from remote_loader.server.spec import LoaderSpec, resolve
+from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
+from tests import datasets
+from tests.conftest import ServeLoaders, assert_same, raw_stream
+from tests.test_parity import SEED, local_batches
+
+# torch's `where` for a worker's exception (ExceptionWrapper), which the server's workers say too.
+WORKER_0 = "in DataLoader worker process 0"
+
+
+def _raised_by_torch(loader: DataLoader[Any]) -> BaseException:
+    """What iterating `loader` to its end raises in this process."""
+    with pytest.raises(Exception) as raised:
+        list(loader)
+    return raised.value
+
+
+# --- a worker's exception, named by its class ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dataset", "module", "qualname"),
+    [("Failing", "builtins", "ValueError"), ("FailingOwn", "tests.datasets", "FailingOwn.Corrupt")],
+)
+def test_an_error_frame_names_the_class_torch_raises(
+    serve_loaders: ServeLoaders, dataset: str, module: str, qualname: str
+) -> None:
+    spec = LoaderSpec(name="failing", dataset=f"tests.datasets:{dataset}", num_workers=1)
+    local = DataLoader(resolve(spec.dataset)(), num_workers=1, multiprocessing_context="forkserver")
+    torch_error = _raised_by_torch(local)
+    served = serve_loaders(spec)
+    channel, call = raw_stream(served.address, pb.StreamRequest(loader=spec.name))
+    with channel:
+        errors = [frame.error for frame in call if frame.HasField("error")]
+    assert len(errors) == 1
+    error = errors[0]
+    kind = type(torch_error)
+    assert (error.module, error.qualname, error.type) == (module, qualname, kind.__name__)
+    assert (kind.__module__, kind.__qualname__) == (module, qualname)
+    assert error.where == WORKER_0
+    assert str(torch_error).startswith(f"Caught {error.type} {error.where}.")
+
+
+@pytest.mark.unit
+def test_the_servers_own_errors_are_named_by_their_builtin_class() -> None:
+    """A trainer does not import the server: a worker's death (WorkerDiedError) is named as
+    the RuntimeError torch raises for one, and keeps its own name as its `type`."""
+    error = RemoteError.capture(WORKER_0, WorkerDiedError("worker 0 exited unexpectedly"))
+    assert (error.module, error.qualname, error.type) == (
+        "builtins",
+        "RuntimeError",
+        "WorkerDiedError",
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("init", ["failing_init", "failing_init_at_length"])
+def test_a_broken_loader_sends_its_exception_in_the_trailer(
+    serve_loaders: ServeLoaders, init: str
+) -> None:
+    """worker_init_fn raising: torch re-raises its exception as its type in the trainer; the
+    server ends the stream with LOADER_BROKEN and that exception under ERROR_KEY, within
+    gRPC's metadata limit even when its message is 20 KB."""
+    spec = LoaderSpec(
+        name="broken",
+        dataset="tests.datasets:Squares",
+        num_workers=1,
+        worker_init_fn=f"tests.datasets:{init}",
+    )
+    local = DataLoader(
+        datasets.Squares(),
+        num_workers=1,
+        worker_init_fn=resolve(spec.worker_init_fn or ""),
+        multiprocessing_context="forkserver",
+    )
+    kind = type(_raised_by_torch(local))
+    served = serve_loaders(spec)
+    channel, call = raw_stream(served.address, pb.StreamRequest(loader=spec.name))
+    with channel, pytest.raises(grpc.RpcError) as info:
+        list(call)
+    failed = info.value
+    assert isinstance(failed, grpc.Call)
+    assert failed.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.details()
+    trailing = failed.trailing_metadata()
+    assert reasons.reason_of(trailing) == reasons.LOADER_BROKEN
+    error = reasons.remote_error_of(trailing)
+    assert error is not None
+    assert (
+        (error.module, error.qualname)
+        == ("builtins", "RuntimeError")
+        == (
+            kind.__module__,
+            kind.__qualname__,
+        )
+    )
+    assert error.where == WORKER_0
+    assert error.traceback.startswith("Traceback (most recent call last):")
+    assert f"in {init}" in error.traceback  # the frame that raised is kept
+    assert "cannot start" in error.message or "fails on purpose" in error.message
+    assert "worker 0" in (failed.details() or "")
+
+
+# --- in_order = false: tasks only to workers with room ---------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_in_order_false_passes_a_stragglers_worker_over_as_torch_does(
+    serve_loaders: ServeLoaders, tmp_path: Path
+) -> None:
+    """Sample 0 straggles on worker 0: torch gives the next tasks to worker 1, which has room,
+    and yields 0 and 2 (worker 0's) last; round-robin would queue every other task behind
+    sample 0 (which then waits out its patience)."""
+    options: dict[str, Any] = {
+        "batch_size": 1,
+        "num_workers": 2,
+        "prefetch_factor": 2,
+        "in_order": False,
+    }
+    local = DataLoader(
+        datasets.Straggler(str(tmp_path / "torch.log")),
+        multiprocessing_context="forkserver",
+        **options,
+    )
+    expected = [int(batch) for batch in local]
+    assert expected != sorted(expected)  # the straggler did hold its batches back
+    spec = LoaderSpec(
+        name="straggler",
+        dataset="tests.datasets:Straggler",
+        dataset_kwargs={"log": str(tmp_path / "served.log")},
+        **options,
+    )
+    served = serve_loaders(spec)
+    with RemoteLoader(served.address) as loader:
+        assert [int(batch) for batch in loader] == expected
+
+
+class _Backend:
+    """Two workers that answer nothing by themselves: the test says what comes back."""
+
+    workers = 2
+    pids: list[int] = []
+    kept_between_epochs = False
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int]] = collections.defaultdict(list)  # task ids per worker
+        self.events: list[Event] = []
+
+    def describe(self) -> dict[str, int | str]:
+        return {"backend": "local", "nodes": 1}
+
+    def start(self) -> None:
+        pass
+
+    def spawn(self, worker_id: int, num_workers: int) -> int:
+        return worker_id
+
+    def send(self, worker_id: int, message: EpochStart | Task) -> None:
+        if isinstance(message, Task):
+            self.sent[worker_id].append(message.task_id)
+
+    def set_epoch(self, key: int) -> None:
+        pass
+
+    def receive(self, timeout: float) -> Iterator[Event]:
+        events, self.events = self.events, []
+        yield from events
+
+    def alive(self, worker_id: int) -> bool:
+        return True
+
+    def ready(self, worker_id: int) -> bool:
+        return True
+
+    def making(self, worker_id: int) -> int:
+        return -1
+
+    def who(self, worker_id: int) -> str:
+        return f"worker {worker_id}"
+
+    def death(self, worker_id: int) -> str:
+        return ""
+
+    def kill(self, worker_id: int) -> None:
+        pass
+
+    def discard(self, worker_id: int) -> None:
+        pass
+
+    def retire_last(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _answer(worker_id: int, task_id: int) -> Result:
+    """Worker `worker_id`'s Result for `task_id` (an error: no shared memory to map)."""
+    error = RemoteError(where="", type="", message="", traceback="")
+    return Result(worker_id, 0, task_id, error=error, incarnation=worker_id)
+
+
+@pytest.mark.unit
+def test_dispatch_gives_a_task_only_to_a_worker_with_room_and_moves_a_short_workers_tasks() -> None:
+    spec = LoaderSpec(name="d", dataset="tests.datasets:Squares", num_workers=2, in_order=False)
+    backend = _Backend()
+    pool = WorkerPool(spec, Batching(False, True, False), backend)
+    pool.start()
+    pool.begin_epoch(0, epoch=0)
+    task_ids = iter(range(100))
+    while pool.outstanding < pool.max_outstanding and pool.has_room():
+        assert pool.submit(next(task_ids), [0])
+    assert backend.sent == {0: [0, 2], 1: [1, 3]}  # in turn, prefetch_factor each
+    # Worker 1 answers: only it has room, so the next task skips worker 0 (torch's rule).
+    backend.events.append(_answer(1, 1))
+    assert pool.poll(1.0) is not None
+    assert pool.has_room()
+    assert pool.submit(next(task_ids), [0])
+    assert backend.sent[1] == [1, 3, 4] and not pool.has_room()
+    with pytest.raises(RuntimeError, match="has_room"):
+        pool.submit(next(task_ids), [0])
+    # Worker 0 goes short: its tasks move to worker 1, full as it is (they are out already),
+    # and the pool goes on with one worker (NOTE [ Capacity lost ]).
+    backend.events.append(Short(0, "no CPU for its replacement"))
+    assert pool.poll(0.05) is None
+    assert backend.sent[1] == [1, 3, 4, 0, 2]
+    assert pool.working == 1 and pool.max_outstanding == 2
+    for task_id in (3, 4, 0):
+        assert not pool.has_room()
+        backend.events.append(_answer(1, task_id))
+        assert pool.poll(1.0) is not None
+    assert pool.has_room()
+    pool.end_epoch()
+    pool.shutdown()
+
+
+# --- multiprocessing_context ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_each_start_method_is_served_with_torchs_batches(
+    serve_loaders: ServeLoaders, context: str
+) -> None:
+    spec = LoaderSpec(
+        name=f"aug-{context}",
+        dataset="tests.datasets:RandomAug",
+        dataset_kwargs={"n": 16},
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context=context,
+    )
+    # torch's first, with that start method: before this test's server runs gRPC threads.
+    expected = local_batches(spec, SEED, 1)
+    served = serve_loaders(spec)
+    with RemoteLoader(served.address, spec.name, seed=SEED) as loader:
+        loader.set_epoch(1)
+        remote = list(loader)
+    assert len(remote) == len(expected) == 4
+    assert_same(remote, expected)
+
+
+@pytest.mark.unit
+def test_a_context_object_is_kept_as_its_start_methods_name() -> None:
+    """What torch also accepts from Python; the spec holds plain values (fingerprint, logs)."""
+    spawn: Any = multiprocessing.get_context("spawn")  # the field's type says what it keeps
+    spec = LoaderSpec(name="a", dataset="m:f", num_workers=1, multiprocessing_context=spawn)
+    assert spec.multiprocessing_context == "spawn"
+
+
+# --- torch's warnings, handed on ------------------------------------------------------------
+
+
+def test_torchs_warnings_for_a_loader_are_in_describe(serve_loaders: ServeLoaders) -> None:
+    workers = len(os.sched_getaffinity(0)) + 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        local = DataLoader(datasets.Squares(), num_workers=workers)
+        local.check_worker_number_rationality()  # what creating its iterator checks again
+    expected = {(w.category.__name__, str(w.message)) for w in caught}
+    assert any(message.startswith("This DataLoader will create") for _, message in expected)
+    spec = LoaderSpec(name="crowded", dataset="tests.datasets:Squares", num_workers=workers)
+    served = serve_loaders(spec)
+    assert served.hosts["crowded"].warnings  # kept on the host, logged at start-up
+    with grpc.insecure_channel(served.address) as channel:
+        describe = channel.unary_unary(
+            "/remote_loader.v1.Loader/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.LoaderInfo.FromString,
+        )
+        info = describe(pb.DescribeRequest(loader=spec.name), timeout=30)
+    got = [(w.category, w.message) for w in info.warnings]
+    assert len(got) == len(set(got))  # each once, though torch checked twice
+    assert set(got) == expected
