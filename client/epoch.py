@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,29 +51,43 @@ class LoaderStats:
 
 
 class EpochIterator(Iterator[Any]):
-    """One epoch's stream: a receiver thread and the bounded queue it fills."""
+    """One epoch's stream: a receiver thread and the bounded queue it fills.
+
+    NOTE [ An iterator's epoch ]: `iter(loader)` opens nothing. The first `next()` takes the
+    loader's next epoch and position (`begin`), makes the loader's next epoch the one after,
+    and starts the receiver; until then `epoch` and `batches` say what it would read now. An
+    iterator dropped before its first `next()` (Lightning's iter() probe, a discarded peek) has
+    used no epoch, and the loader's set_epoch() still reaches it.
+    """
+
+    _receiver: Receiver  # made by the first next()
 
     def __init__(
         self,
-        epoch: int,
-        start: int,
-        receiver: Callable[[queue.Queue[Item]], Receiver],
+        begin: Callable[[queue.Queue[Item]], tuple[int, int, Receiver]],
+        position: Callable[[], tuple[int, int]],
         prefetch: int,
         timeout: float | None,
         length: Callable[[], int],
+        overlength: Callable[[int], str | None] = lambda yielded: None,
     ) -> None:
-        """`receiver(queue)` makes the thread that fills `queue` (bounded: `prefetch` batches)
-        with this epoch's stream from batch `start`; `timeout` bounds each `next()` (None:
-        no bound, torch's timeout=0); `length()` is the loader's len()."""
-        self.epoch = epoch
+        """At the first `next()`, `begin(queue)` gives the epoch, the batch it starts from and
+        the thread (not started) that fills `queue` (bounded: `prefetch` batches) with that
+        epoch's stream; `position()` is that (epoch, batch) as it would be now. `timeout`
+        bounds each `next()` (None: no bound, torch's timeout=0); `length()` is the loader's
+        len(); `overlength(n)` is the warning to give when the n-th batch is yielded, if any."""
+        self._begin = begin
+        self._position = position
         self._timeout = timeout
         self._length = length
+        self._overlength = overlength
         self._queue: queue.Queue[Item] = queue.Queue(maxsize=prefetch)
         self._done = False
         self.finished = False  # the epoch's end was reached (StopIteration)
-        self._receiver = receiver(self._queue)
-        self._receiver.start()
-        self.batches = start  # the epoch's position: batches yielded, including skipped ones
+        self._started = False  # the first next() has made (and started) self._receiver
+        self._epoch = 0
+        self._batches = 0  # the epoch's position: batches yielded, including skipped ones
+        self._yielded = 0  # batches this iterator yielded
         self.transport: str | None = None  # how the latest batch handed out arrived
         # For stats(): when the loop first asked, how long it has been blocked in next(), what
         # it received, and when the epoch ended (None while it runs).
@@ -83,12 +98,31 @@ class EpochIterator(Iterator[Any]):
         self._node_bytes = 0  # of them, fetched from nodes (transport "node")
         self._ended_at: float | None = None
 
+    @property
+    def started(self) -> bool:
+        """Whether the first `next()` has taken an epoch (NOTE [ An iterator's epoch ])."""
+        return self._started
+
+    @property
+    def epoch(self) -> int:
+        """The epoch read, or the one the first `next()` would read if made now."""
+        return self._epoch if self.started else self._position()[0]
+
+    @property
+    def batches(self) -> int:
+        """The epoch's position: batches yielded, including those a resume skipped."""
+        return self._batches if self.started else self._position()[1]
+
     def __len__(self) -> int:
         return self._length()
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        if not self._started:
+            self._epoch, self._batches, self._receiver = self._begin(self._queue)
+            self._started = True
+            self._receiver.start()
         item = self._timed_get()
         if isinstance(item, Finished):
             self._done = self.finished = True
@@ -99,7 +133,11 @@ class EpochIterator(Iterator[Any]):
                 self._done = True
                 self._receiver.join()
             raise item.error
-        self.batches += 1
+        self._batches += 1
+        self._yielded += 1
+        warning = self._overlength(self._yielded)
+        if warning is not None:
+            warnings.warn(warning, stacklevel=2)  # torch's, from its __next__
         return _on_device(item)
 
     def _timed_get(self) -> Item:
@@ -124,12 +162,9 @@ class EpochIterator(Iterator[Any]):
         return item
 
     def stats(self) -> LoaderStats:
+        reconnects = self._receiver.reconnects if self._started else 0
         if self._first_next is None:
-            return LoaderStats(
-                epoch=self.epoch,
-                reconnects=self._receiver.reconnects,
-                transport=self.transport,
-            )
+            return LoaderStats(epoch=self.epoch, reconnects=reconnects, transport=self.transport)
         elapsed = (self._ended_at or time.monotonic()) - self._first_next
         return LoaderStats(
             epoch=self.epoch,
@@ -139,7 +174,7 @@ class EpochIterator(Iterator[Any]):
             wait_seconds=self._waited,
             elapsed_seconds=elapsed,
             wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
-            reconnects=self._receiver.reconnects,
+            reconnects=reconnects,
             transport=self.transport,
         )
 
@@ -162,14 +197,15 @@ class EpochIterator(Iterator[Any]):
                     ) from None
 
     def close(self) -> None:
-        """Cancels the stream; the server stops producing for it."""
+        """Cancels the stream, if it began; the server stops producing for it."""
         self._done = True
-        self._receiver.stop()
-        self._receiver.join(timeout=5.0)
+        if self._started:
+            self._receiver.stop()
+            self._receiver.join(timeout=5.0)
 
     def __del__(self) -> None:
         # Backstop only: close() / RemoteLoader.close() are the cleanup path.
-        if not self._done:
+        if not self._done and self._started:
             self._receiver.stop()
 
 

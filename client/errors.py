@@ -6,13 +6,19 @@ RemoteLoaderError                       (`.reason`: the server's reason code, if
 ├── RequestError           the server refused a request's values (invalid-request,
 │   │                      sharing-refused, undecodable-request; INVALID_ARGUMENT, ...)
 │   ├── LoaderBrokenError  the loader cannot make any batch: its dataset or worker_init_fn
-│   │                      raised on the server (loader-broken)
+│   │                      raised on the server (loader-broken); also of that exception's
+│   │                      type where the server sends it and this side can import it
 │   ├── SpecChangedError   a resume against a spec that changed since (spec-changed)
 │   └── RequestTooLargeError   a request over the server's max_request_bytes
 │                          (request-too-large; also a ServerError, as it was before)
 ├── AuthenticationError    the server refused this client's token (unauthenticated;
 │                          UNAUTHENTICATED, PERMISSION_DENIED)
-├── DatasetError           a batch failed on the server; carries the remote traceback
+├── DatasetError           a batch failed on the server; carries the remote traceback. Also
+│                          an instance of the original exception's type (ValueError, KeyError,
+│                          the dataset's own class, ...) where this side can import it, with
+│                          torch's message "Caught ValueError in DataLoader worker process 0";
+│                          else of RuntimeError, as torch (NOTE [ Remote exception types ] in
+│                          client/reraise.py); a plain DatasetError from an older server
 ├── ConnectionLostError    the server cannot be reached, or the stream broke (unavailable,
 │                          closing, client-silent, data-connection-lost, detached, idle-stream;
 │                          UNAVAILABLE, ABORTED)
@@ -29,8 +35,12 @@ call without one (an older server, or gRPC's own refusals) by its status code.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
+from remote_loader.client import reraise
+from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
 
 
@@ -72,8 +82,16 @@ class DatasetError(RemoteLoaderError):
     """The dataset, sampler or collate_fn raised on the server while making one batch.
 
     Raised at the batch's position in the epoch; the stream goes on after it, so catching it
-    and calling `next()` again yields the following batch (as with torch's DataLoader).
+    and calling `next()` again yields the following batch (as with torch's DataLoader). The
+    error raised is also of the original exception's type where the client can import it
+    (`except ValueError` catches it, as with torch's DataLoader; client/reraise.py).
     """
+
+    position: int  # the batch's position in the epoch
+    where: str  # e.g. "in DataLoader worker process 1"
+    remote_type: str  # the original exception's class name
+    remote_message: str  # str() of the original exception
+    remote_traceback: str  # its traceback, formatted on the server
 
     def __init__(
         self, position: int, where: str, remote_type: str, message: str, remote_traceback: str
@@ -86,6 +104,29 @@ class DatasetError(RemoteLoaderError):
         super().__init__(
             f"{remote_type} at batch {position} {where}.\nOriginal {remote_traceback.rstrip()}"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles its args (the message): rebuild from the five parts instead.
+        parts = (self.position, self.where, self.remote_type, self.remote_message)
+        return (DatasetError, (*parts, self.remote_traceback))
+
+
+def dataset_error(position: int, error: pb.RemoteError) -> DatasetError:
+    """The DatasetError for batch `position`, which failed on the server with `error`: also of
+    the original type, with torch's message, where this side has that type (NOTE [ Remote
+    exception types ] in client/reraise.py); a plain one as before where it has not."""
+    original = reraise.original_class(error.module, error.qualname)
+    if original is None:
+        return DatasetError(position, error.where, error.type, error.message, error.traceback)
+    message = reraise.torch_message(original, error.where, error.traceback)
+    rebuild = (_unpickle_dataset_error, (position, error.SerializeToString()))
+    exc = reraise.raise_as(original, DatasetError, message, rebuild)
+    exc.position = position
+    exc.where = error.where
+    exc.remote_type = error.type
+    exc.remote_message = error.message
+    exc.remote_traceback = error.traceback
+    return exc
 
 
 class ConnectionLostError(RemoteLoaderError):
@@ -189,6 +230,8 @@ def _error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     if kind is not None:
         if issubclass(kind, ServerError):  # says its status, as below
             return kind(f"{message} (status {code.name if code else 'unknown'})")
+        if kind is LoaderBrokenError:
+            return broken_error(message, _remote_error(exc))
         return kind(message)
     # No reason (an older server, or an error of gRPC's): the status code says what it can.
     if code == grpc.StatusCode.NOT_FOUND:
@@ -207,3 +250,32 @@ def _error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectionLostError(f"{what}: no answer from the server in time ({details})")
     return ServerError(f"{message} (status {code.name if code else 'unknown'})")
+
+
+def broken_error(message: str, error: pb.RemoteError | None) -> LoaderBrokenError:
+    """LoaderBrokenError, also of the type of the exception that broke the loader where the
+    server sent it (reasons.ERROR_KEY) and this side has that type, as torch raises a failing
+    worker_init_fn's exception as its own type (NOTE [ Remote exception types ])."""
+    original = reraise.original_class(error.module, error.qualname) if error else None
+    if error is None or original is None:
+        return LoaderBrokenError(message)
+    rebuild = (_unpickle_broken_error, (message, error.SerializeToString()))
+    return reraise.raise_as(original, LoaderBrokenError, message, rebuild)
+
+
+def _remote_error(exc: grpc.RpcError) -> pb.RemoteError | None:
+    if not isinstance(exc, grpc.Call):
+        return None
+    try:
+        return reasons.remote_error_of(exc.trailing_metadata())
+    except Exception:  # a call that ended before any metadata: nothing was sent
+        return None
+
+
+# Pickling a typed error (its class is made at run time) rebuilds it from the RemoteError.
+def _unpickle_dataset_error(position: int, error: bytes) -> DatasetError:
+    return dataset_error(position, pb.RemoteError.FromString(error))
+
+
+def _unpickle_broken_error(message: str, error: bytes) -> LoaderBrokenError:
+    return broken_error(message, pb.RemoteError.FromString(error))

@@ -2,48 +2,49 @@
 
 from __future__ import annotations
 
-import functools
 import queue
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from remote_loader.client import connect
+from remote_loader.client import connect, standins, surface
 from remote_loader.client import state as state_module
 from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.epoch import EpochIterator, LoaderStats
-from remote_loader.client.errors import LoaderNotFoundError, SpecChangedError
+from remote_loader.client.errors import SpecChangedError
+from remote_loader.client.link import ServerLink
 from remote_loader.client.options import (
+    Membership,
     check_options,
     compression_codec,
-    membership,
     resolve_device,
 )
 from remote_loader.client.receiver import Item, Receiver
 from remote_loader.client.security import TLS, resolve_tls, resolve_token
-from remote_loader.client.transports import StreamEnds, Transports
+from remote_loader.client.surface import DataLoaderSurface
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp
 from remote_loader.protos.buffers import BufferPool
-from remote_loader.protos.slots import SlotMaps
 
 DEFAULT_PREFETCH = 2
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 5
 
 
-class RemoteLoader:
+class RemoteLoader(DataLoaderSurface):
     """Iterates a loader hosted by a remote-loader server, like a `torch.utils.data.DataLoader`.
 
     Args:
         address: the server, "host:port" ("[v6]:port" for an IPv6 address; any gRPC target
             naming a port, or a "unix:" socket); one without a port is a ValueError.
         loader: which of the server's loaders; None picks its only one.
-        rank, world_size: this consumer's place in its job. Default: the initialized
-            `torch.distributed` group, else the RANK / WORLD_SIZE environment variables, else
-            0 / 1.
+        rank, world_size: this consumer's place in its job. Default: the job's, read at the
+            first `iter()` (the loader may be made before the job's launcher or
+            torch.distributed has said): the initialized `torch.distributed` group, else the
+            RANK / WORLD_SIZE environment variables (LOCAL_RANK where it must be the rank:
+            client/options.py `membership`), else 0 / 1. A world of several ranks where nothing
+            says the rank is a ValueError, never rank 0.
         sharing: how the job's consumers share an epoch. "partition": each rank receives its own
             equal share (DistributedSampler semantics). "broadcast": every consumer receives
             every batch, made once for all. "dynamic": first come, first served.
@@ -90,7 +91,15 @@ class RemoteLoader:
             links want. A server without the codec's package sends them uncompressed. All
             consumers of a job should ask alike: each choice is a production of its own.
 
-    Each `iter()` streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()`.
+    Each iterator streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()` or
+    `sampler.set_epoch()`, taking it at its first `next()`: an iterator dropped before then
+    used no epoch (NOTE [ An iterator's epoch ] in client/epoch.py).
+
+    It has the attributes scripts read of a DataLoader (`dataset`, `sampler`, `batch_sampler`,
+    `batch_size`, `num_workers`, `drop_last`, ...), read-only and as the server's loader has
+    them; the dataset and samplers are stand-ins that say what cannot be read here
+    (client/surface.py). A batch's exception is raised as its own type, as torch raises a
+    worker's (client/reraise.py), and the server's torch warnings are given at each `iter()`.
     """
 
     def __init__(
@@ -129,7 +138,7 @@ class RemoteLoader:
             data_connections=data_connections,
         )
         self.compression = compression_codec(compression)
-        self.rank, self.world_size = membership(rank, world_size)
+        self._members = Membership(rank, world_size)
         self.sharing = sharing
         # The server's name for the job an empty one means, so that state_dict() says what the
         # server's logs and metrics do.
@@ -137,117 +146,95 @@ class RemoteLoader:
         self.address = address
         self.seed = seed
         self.device = resolve_device(device)
-        self.pin_memory = bool(pin_memory) and self.device.type == "cuda"
+        self._pin_memory = bool(pin_memory) and self.device.type == "cuda"
         self.prefetch = prefetch
-        self.timeout = timeout
+        self._timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
         self.backoff = backoff
         self.transport = transport
         self.data_connections = data_connections
-        self._epoch = 0
-        self._start = 0  # the first batch of the next iter(): not 0 after load_state_dict()
-        # The earlier job of another world size whose epoch the next iter() finishes
-        # (load_state_dict; client/state.py), and the one of the epoch being read.
-        self._reshard: dict[str, Any] | None = None
-        self._iter_reshard: dict[str, Any] | None = None
-        self._reshard_length = 0  # this consumer's share of that epoch (the server's count)
+        self._cursor = state_module.Cursor()
         self._iterator: EpochIterator | None = None
-        # A data connection could not be made: later epochs do not try again (a firewall that
-        # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
-        self._no_data_connection = False
-        # The workers' slots this loader's streams have mapped (NOTE [ Zero-copy slots ] in
-        # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
-        self._slot_maps = SlotMaps()
+        # The dataset's len() when len(loader) was last asked of an IterableDataset's loader:
+        # torch's _IterableDataset_len_called, past which an epoch's batches draw its warning.
+        self._len_called: int | None = None
         # Batches for the CPU are received into reused buffers (NOTE [ Reused buffers ] in
         # protos/buffers.py): enough for the prefetched batches, the one being received, and the
         # loop's current and previous ones. Pinned memory is torch's allocator's to cache.
         self._buffers = BufferPool(keep=prefetch + 4) if self.device.type == "cpu" else None
         self._closed = False
         self.tls = resolve_tls(tls)
-        # The data connections' TLS: the channel's CA, certificate, key (NOTE [ TLS data
-        # connection ] in protos/tcp.py); made once, here, so a bad file fails at once.
-        self._data_tls = self.tls.data_context() if self.tls is not None else None
-        if transport == "tcp" and tcp.target_host(address) is None:
-            raise ValueError(
-                f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
-                f"{address!r}: the data connections go to that host"
-            )
-        self._channel, stubs = connect.open_stubs(address, self.tls, resolve_token(token))
-        self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
+        self._link = ServerLink(
+            address,
+            tls=self.tls,
+            token=resolve_token(token),
+            connect_timeout=connect_timeout,
+            retries=retries,
+            backoff=backoff,
+            transport=transport,
+            data_connections=data_connections,
+            device=self.device,
+            pin=self._pin_memory,
+            buffers=self._buffers,
+        )
+        self._slot_maps = self._link.slot_maps
+        # Describe's answers by membership (LoaderInfo.length is the consumer's). A consumer
+        # whose rank is not known yet is described as rank 0 of 1 for what does not depend on
+        # it; its first iter() describes it again.
+        self._infos: dict[tuple[int, int], pb.LoaderInfo] = {}
+        self._first = self._members.known() or (0, 1)
         try:
-            self.name = loader if loader is not None else self._only_loader(connect_timeout)
-            self.info: pb.LoaderInfo = self._call(
-                self._describe,
-                pb.DescribeRequest(loader=self.name, consumer=self._consumer()),
-                "describing the loader",
-                connect_timeout,
-            )
+            self.name = loader if loader is not None else self._link.only_loader()
+            self._described(self._first)
         except BaseException:
-            self._channel.close()
+            self._link.close()
             raise
+        self._stand_in(address, self.set_epoch, lambda: self.epoch, self._samples, self.__len__)
 
-    # --- connection ---------------------------------------------------------------------
+    # --- membership ------------------------------------------------------------------------
 
-    def _consumer(self) -> pb.Consumer:
-        return pb.Consumer(
-            sharing=self.sharing, job=self.job, rank=self.rank, world_size=self.world_size
-        )
+    def _consumer(self, members: tuple[int, int]) -> pb.Consumer:
+        rank, world_size = members
+        return pb.Consumer(sharing=self.sharing, job=self.job, rank=rank, world_size=world_size)
 
-    def _data_connection_failed(self) -> None:
-        self._no_data_connection = True
-
-    def _wait_ready(self, timeout: float, stopped: Callable[[], bool]) -> bool:
-        """Waits up to `timeout` s for the server to answer; False if it did not, or if
-        `stopped()` turned true meanwhile."""
-        return connect.wait_ready(
-            lambda deadline: self._list.future(
-                pb.ListLoadersRequest(), timeout=deadline, wait_for_ready=True
-            ),
-            timeout,
-            stopped,
-        )
-
-    def _call(self, method: Any, request: Any, what: str, deadline: float) -> Any:
-        """A unary call, tried again after a refusal (NOTE [ Waiting for the server ])."""
-        hint = (
-            "(this client speaks TLS: does the server, with this CA, and does it want a client "
-            "certificate?)"
-            if self.tls is not None
-            else "(this client speaks plaintext: a TLS server needs tls=...)"
-        )
-        return connect.first_call(
-            lambda timeout: method(request, timeout=timeout, wait_for_ready=False),
-            what=what,
-            address=self.address,
-            connect_timeout=deadline,
-            retries=self.retries,
-            backoff=self.backoff,
-            hint=hint,
-        )
-
-    def _only_loader(self, deadline: float) -> str:
-        names = list(
-            self._call(self._list, pb.ListLoadersRequest(), "listing loaders", deadline).names
-        )
-        if len(names) != 1:
-            raise LoaderNotFoundError(
-                f"the server at {self.address} hosts {len(names)} loaders "
-                f"({', '.join(names) or 'none'}); pass loader=NAME to pick one"
-            )
-        return str(names[0])
-
-    # --- DataLoader surface --------------------------------------------------------------
+    def _described(self, members: tuple[int, int]) -> pb.LoaderInfo:
+        """Describe's answer to this loader's consumer as (rank, world_size) `members`."""
+        info = self._infos.get(members)
+        if info is None:
+            request = pb.DescribeRequest(loader=self.name, consumer=self._consumer(members))
+            info = self._infos[members] = self._link.describe(request, "describing the loader")
+        return info
 
     @property
-    def batch_size(self) -> int | None:
-        """The loader's batch size; None without automatic batching or with a batch_sampler."""
-        return self.info.batch_size if self.info.HasField("batch_size") else None
+    def info(self) -> pb.LoaderInfo:
+        """What the server said of the loader (Describe): to this consumer once its first
+        `iter()` has fixed its rank, before then as it was first described."""
+        return self._infos[self._members.fixed or self._first]
 
     @property
-    def epoch(self) -> int:
-        """The epoch the next `iter()` streams."""
-        return self._epoch
+    def rank(self) -> int:
+        """This consumer's rank: as given, else the job's, read afresh until the first `iter()`
+        keeps it; ValueError while the job has several ranks and nothing says which."""
+        return self._members.current()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The job's size: as given, else the job's, read afresh until the first `iter()`."""
+        return self._members.current()[1]
+
+    # --- DataLoader surface (the rest: client/surface.py) ---------------------------------
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether batches are received into pinned memory (only where they go to CUDA)."""
+        return self._pin_memory
+
+    @property
+    def timeout(self) -> float:
+        """Seconds `next()` waits for a batch (the `timeout` argument), 0 for no bound, as a
+        DataLoader's `timeout` says."""
+        return self._timeout if self._timeout is not None else 0
 
     @property
     def last_transport(self) -> str | None:
@@ -255,109 +242,101 @@ class RemoteLoader:
         connection), "grpc", or None before any."""
         return self._iterator.transport if self._iterator is not None else None
 
+    # --- epochs ----------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iterator streams."""
+        return self._cursor.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        """Makes the next `iter()` stream this epoch (later ones follow from it)."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self._epoch = epoch
+        """Makes the next iterator stream this epoch (later ones follow from it), whatever
+        iterators came before: one made but not yet read from takes it too (NOTE [ An
+        iterator's epoch ]). The epoch a `load_state_dict()` resumes keeps its position;
+        another starts at its beginning."""
+        self._cursor.set_epoch(epoch)
+
+    def _samples(self) -> int:
+        """len(sampler): the samples this consumer receives per epoch."""
+        members = self._members.current()
+        info = self._described(members)
+        return standins.sampler_length(info, self.sharing, members[1], self.__len__)
 
     def __len__(self) -> int:
         """Batches this consumer receives per epoch (its share, when partitioned; of the
         epoch's rest when it resumes one begun on another world size)."""
-        it = self._iterator
-        if self._reshard is not None or (
-            self._iter_reshard is not None and it is not None and not it.finished
-        ):
-            return self._reshard_length
+        resharded = self._cursor.resharded_length(self._reading() is not None)
+        if resharded is not None:
+            return resharded
         if self.sharing == "dynamic":
             raise TypeError(
                 "len() is unknown with sharing='dynamic': how many batches this consumer "
                 "receives depends on how fast the job's other consumers take theirs"
             )
-        if not self.info.has_length:
+        info = self._described(self._members.current())
+        if not info.has_length:
             # The server refuses a map-style dataset whose __len__ raises: a map-style loader
             # without a length has a sampler (or batch_sampler) without one.
             why = (
                 "its dataset is an IterableDataset without __len__"
-                if self.info.dataset_kind == "iterable"
+                if info.dataset_kind == "iterable"
                 else "its dataset is map-style, but its sampler or batch_sampler has no __len__"
             )
             raise TypeError(f"loader {self.name!r} has no len(): {why}")
-        return int(self.info.length)
+        if info.dataset_kind == "iterable" and info.HasField("dataset_length"):
+            self._len_called = int(info.dataset_length)
+        return int(info.length)
 
     def __iter__(self) -> EpochIterator:
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
+        self._described(self._members.fix())  # the rank, from the job, before any stream
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
+        surface.reissue_warnings(self.info, stacklevel=2)
+        reported, workers = self._len_called, surface.num_workers(self.info)
+
+        def overlength(yielded: int) -> str | None:
+            if reported is None or yielded <= reported:
+                return None
+            return surface.overlength_message(self._dataset, reported, yielded, workers)
+
+        self._iterator = EpochIterator(
+            self._begin,
+            lambda: (self._cursor.epoch, self._cursor.start),
+            self.prefetch,
+            self._timeout,
+            self.__len__,
+            overlength,
+        )
+        return self._iterator
+
+    def _begin(self, out: queue.Queue[Item]) -> tuple[int, int, Receiver]:
+        """An iterator's first `next()` (NOTE [ An iterator's epoch ]): it takes the next epoch
+        from where it stands, and the loader's next epoch becomes the one after. Returns the
+        epoch, the batch it starts from and the receiver (not started) that fills `out`."""
+        cursor = self._cursor
+        epoch, start, reshard = cursor.epoch, cursor.start, cursor.reshard
         request = pb.StreamRequest(
             loader=self.name,
-            epoch=self._epoch,
-            consumer=self._consumer(),
+            epoch=epoch,
+            consumer=self._consumer(self._members.fix()),
             fingerprint=self.info.fingerprint,
             compression=self.compression,
         )
         if self.seed is not None:
             request.seed = self.seed
-        if self._reshard is not None:
-            request.reshard.CopyFrom(state_module.reshard_message(self._reshard))
-        self._iterator = EpochIterator(
-            request.epoch,
-            self._start,
-            functools.partial(self._receiver, request, self._start),
-            self.prefetch,
-            self.timeout,
-            self.__len__,
-        )
-        self._iter_reshard, self._reshard = self._reshard, None
-        self._epoch += 1
-        self._start = 0
-        return self._iterator
+        if reshard is not None:
+            request.reshard.CopyFrom(state_module.reshard_message(reshard))
+        what = f"loader {self.name!r} epoch {epoch} from {self.address}"
+        receiver = self._link.receiver(request, start, out, what)
+        cursor.take()  # once nothing above failed: an iterator that could not begin took none
+        return epoch, start, receiver
 
-    def _receiver(self, request: pb.StreamRequest, start: int, out: queue.Queue[Item]) -> Receiver:
-        """The thread that reads `request`'s epoch from batch `start` into `out` (not started)."""
-        what = f"loader {self.name!r} epoch {request.epoch} from {self.address}"
-
-        def open_stream(first: int, ends: StreamEnds) -> Any:
-            again = pb.StreamRequest()
-            again.CopyFrom(request)
-            again.start = first
-            ends.offer(again)
-            # Not wait_for_ready: the receiver has waited for the connection, with a deadline
-            # (NOTE [ Waiting for the server ]); this call would wait for one without any.
-            return self._stream(again, wait_for_ready=False)
-
-        transports = Transports(
-            what,
-            use_shm=self.transport == "auto",
-            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
-            tcp_host=(
-                tcp.target_host(self.address)
-                if self.transport != "grpc" and not self._no_data_connection
-                else None
-            ),
-            data_connections=self.data_connections,
-            on_tcp_failed=self._data_connection_failed,
-            slot_maps=self._slot_maps,
-            tcp_tls=self._data_tls,
-            tcp_server_name=self.tls.server_name if self.tls is not None else None,
-            tcp_required=self.transport == "tcp",
-        )
-        receiver = Receiver(
-            open_stream,
-            out,
-            transports=transports,
-            device=self.device,
-            pin=self.pin_memory,
-            what=what,
-            buffers=self._buffers,
-            start=start,
-            retries=self.retries,
-            backoff=self.backoff,
-            wait_ready=self._wait_ready,
-            connect_timeout=self.connect_timeout,
-        )
-        return receiver
+    def _reading(self) -> EpochIterator | None:
+        """The iterator reading an epoch (begun and not ended), if one is."""
+        it = self._iterator
+        return it if it is not None and it.started and not it.finished else None
 
     # --- resuming ------------------------------------------------------------------------
 
@@ -368,10 +347,11 @@ class RemoteLoader:
         of an epoch the state points at the start of the next one, as torchdata's
         StatefulDataLoader does.
         """
-        epoch, batches, reshard = self._epoch, self._start, self._reshard
-        it = self._iterator
-        if it is not None and not it.finished:
-            epoch, batches, reshard = it.epoch, it.batches, self._iter_reshard
+        cursor = self._cursor
+        epoch, batches, reshard = cursor.epoch, cursor.start, cursor.reshard
+        it = self._reading()
+        if it is not None:
+            epoch, batches, reshard = it.epoch, it.batches, cursor.taken_reshard
             if (
                 reshard is None
                 and self.info.has_length
@@ -379,6 +359,7 @@ class RemoteLoader:
                 and batches >= len(self)
             ):
                 epoch, batches = epoch + 1, 0
+        rank, world_size = self._members.current()
         return {
             "version": state_module.STATE_VERSION,
             "loader": self.name,
@@ -388,8 +369,8 @@ class RemoteLoader:
             "batches": batches,
             "sharing": self.sharing,
             "job": self.job,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "rank": rank,
+            "world_size": world_size,
             "reshard": reshard,
         }
 
@@ -417,39 +398,39 @@ class RemoteLoader:
             raise ValueError(
                 f"the state is of loader {state['loader']!r}, this RemoteLoader reads {self.name!r}"
             )
-        point = state_module.resume_point(state, self.sharing, self.job, self.rank, self.world_size)
+        members = self._members.fix()  # the position is this rank's from now on
+        self._described(members)
+        point = state_module.resume_point(state, self.sharing, self.job, *members)
         if state["fingerprint"] != self.info.fingerprint:
             raise SpecChangedError(
                 f"loader {self.name!r} at {self.address} has changed since the state was saved "
                 f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
                 "resuming would not line the batches up"
             )
+        length = 0
         if point.reshard is not None:
             # The server checks the resume now (a refusal says why here, not at iter()) and
             # says how many batches this rank's share of the epoch's rest holds, for len().
             asked = pb.DescribeRequest(
                 loader=self.name,
-                consumer=self._consumer(),
+                consumer=self._consumer(members),
                 epoch=point.epoch,
                 seed=point.seed,
                 reshard=state_module.reshard_message(point.reshard),
             )
-            info = self._call(self._describe, asked, "resuming", self.connect_timeout)
-            self._reshard_length = int(info.length)
+            length = int(self._link.describe(asked, "resuming").length)
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
         self.seed = point.seed
-        self._epoch = point.epoch
-        self._start = point.start
-        self._reshard = point.reshard
+        self._cursor.resume(point, length)
 
     # --- statistics ----------------------------------------------------------------------
 
     def stats(self) -> LoaderStats:
         """The latest epoch's figures (see LoaderStats); zeros before the first `next()`."""
         if self._iterator is None:
-            return LoaderStats(epoch=self._epoch)
+            return LoaderStats(epoch=self.epoch)
         return self._iterator.stats()
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -462,8 +443,7 @@ class RemoteLoader:
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
-        self._slot_maps.close()
-        self._channel.close()
+        self._link.close()
 
     def __enter__(self) -> RemoteLoader:
         return self
@@ -478,7 +458,9 @@ class RemoteLoader:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
+        members = self._members.known()
+        place = f"rank={members[0]}/{members[1]}" if members else "rank=?"
         return (
             f"<RemoteLoader {self.name!r} at {self.address} {self.sharing} "
-            f"rank={self.rank}/{self.world_size} epoch={self._epoch} {state}>"
+            f"{place} epoch={self.epoch} {state}>"
         )

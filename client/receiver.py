@@ -27,10 +27,10 @@ from remote_loader.client.assembly import Assembly
 from remote_loader.client.connect import DEFAULT_BACKOFF, delay
 from remote_loader.client.errors import (
     ConnectionLostError,
-    DatasetError,
     ProtocolError,
     RemoteLoaderError,
     ServerBusyError,
+    dataset_error,
     map_rpc_error,
     server_busy,
 )
@@ -352,8 +352,7 @@ class Receiver(threading.Thread):
                         f"{self._what}: expected batch {expected}, got batch {meta.batch}"
                     )
                 if meta.HasField("error"):
-                    e = meta.error
-                    error = DatasetError(meta.batch, e.where, e.type, e.message, e.traceback)
+                    error = dataset_error(meta.batch, meta.error)  # its own type too
                     expected += 1
                     if not self._put(Failed(error, final=False)):
                         return Finished(expected)

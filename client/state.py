@@ -45,6 +45,49 @@ class ResumePoint:
     reshard: dict[str, Any] | None
 
 
+class Cursor:
+    """Where a loader is in its epochs: the epoch the next iterator takes at its first next()
+    (NOTE [ An iterator's epoch ] in client/epoch.py), the batch it starts from (not 0 after a
+    resume), and the earlier job of another world size whose epoch it finishes (a resume's
+    reshard); and the reshard of the epoch taken last, for len() and state_dict() while it is
+    read."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.start = 0
+        self.reshard: dict[str, Any] | None = None
+        self.reshard_length = 0  # this consumer's share of a reshard epoch (the server's count)
+        self.taken_reshard: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next epoch taken is `epoch`: the one a resume points at keeps its position,
+        another starts at its beginning."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch != self.epoch:
+            self.start, self.reshard = 0, None
+        self.epoch = epoch
+
+    def take(self) -> tuple[int, int, dict[str, Any] | None]:
+        """An iterator takes the next epoch (epoch, first batch, reshard); the next is the one
+        after, from its beginning."""
+        taken = self.epoch, self.start, self.reshard
+        self.taken_reshard = self.reshard
+        self.epoch, self.start, self.reshard = self.epoch + 1, 0, None
+        return taken
+
+    def resume(self, point: ResumePoint, reshard_length: int) -> None:
+        self.epoch, self.start, self.reshard = point.epoch, point.start, point.reshard
+        self.reshard_length = reshard_length
+
+    def resharded_length(self, reading: bool) -> int | None:
+        """len() while a reshard epoch is next, or is being read (`reading`: the epoch taken
+        last has not ended); None otherwise."""
+        if self.reshard is not None or (self.taken_reshard is not None and reading):
+            return self.reshard_length
+        return None
+
+
 def check(state: Any) -> None:
     """Raises ValueError when `state` is not a state at all."""
     for key, kind in STATE_KEYS.items():

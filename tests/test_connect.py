@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any, TypedDict
 
@@ -156,10 +157,17 @@ def test_a_full_server_is_retried_until_a_stream_ends(serve_loaders: ServeLoader
             next(iter(busy))
         waiting = RemoteLoader(served.address, "squares", retries=8, backoff=0.1)
         it = iter(waiting)
+        # The stream opens at the first next() (NOTE [ An iterator's epoch ]): ask for it
+        # in a thread, which waits through the refusals.
+        head: list[Any] = []
+        asking = threading.Thread(target=lambda: head.append(next(it)), daemon=True)
+        asking.start()
         assert wait_until(lambda: waiting.stats().reconnects >= 2, 60)  # refused, and retrying
     # The first stream has ended: the waiting one gets its place and every batch.
     with waiting:
-        got = list(it)
+        asking.join(timeout=60)
+        assert not asking.is_alive()
+        got = head + list(it)
         assert waiting.stats().reconnects >= 2
     with RemoteLoader(served.address, "squares") as again:
         expected = list(again)

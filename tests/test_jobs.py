@@ -4,8 +4,11 @@ the job's persistent workers across epochs and closes."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +170,11 @@ def test_closing_the_loader_mid_epoch_is_an_error_not_an_end(serve_loaders: Serv
                 pass
 
 
+def _next_quietly(it: Iterator[Any]) -> None:
+    with contextlib.suppress(Exception):  # the stream is cancelled under it: expected
+        next(it)
+
+
 def test_a_run_waiting_for_the_jobs_workers_ends_when_its_consumer_goes(
     serve_loaders: ServeLoaders,
 ) -> None:
@@ -196,7 +204,12 @@ def test_a_run_waiting_for_the_jobs_workers_ends_when_its_consumer_goes(
     first = [int(next(slow_it)["index"][0])]  # epoch 0's Run holds the workers for rank 1
     fast = RemoteLoader(served.address, rank=0, world_size=2)
     assert len(list(fast)) == 30
-    ahead = iter(fast)  # epoch 1: its Run waits for the workers epoch 0 still holds
+    # Epoch 1: its Run waits for the workers epoch 0 still holds. The stream opens at the first
+    # next() (NOTE [ An iterator's epoch ]), which waits too: in a thread, whose next() ends
+    # with an error once fast is closed.
+    ahead = iter(fast)
+    asking = threading.Thread(target=_next_quietly, args=(ahead,), daemon=True)
+    asking.start()
     assert active(2)
     (waiting,) = [run for run in runs.active() if run.key.epoch == 1]
     fast.close()  # rank 0 goes away: its waiting Run ends now, not after detach_timeout
@@ -205,4 +218,5 @@ def test_a_run_waiting_for_the_jobs_workers_ends_when_its_consumer_goes(
     rest = [int(batch["index"][0]) for batch in slow_it]
     assert first + rest == list(range(1, 60, 2))  # epoch 0 goes on for rank 1
     slow.close()
-    del ahead
+    asking.join(timeout=10)
+    assert not asking.is_alive()

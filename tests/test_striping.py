@@ -8,6 +8,7 @@ batch lost or repeated), a stream stopped mid-stripe, and no socket or thread le
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -334,6 +335,11 @@ def test_no_socket_or_thread_outlives_its_stream(
     assert not stripe_threads(RECV_THREADS)
 
 
+def _next_quietly(it: Iterator[Any]) -> None:
+    with contextlib.suppress(Exception):  # closed under it: StopIteration or an error
+        next(it)
+
+
 def test_a_stream_stopped_mid_stripe_ends_at_once(
     serve_loaders: ServeLoaders, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -357,6 +363,10 @@ def test_a_stream_stopped_mid_stripe_ends_at_once(
     try:
         with RemoteLoader(served.address, transport="tcp", data_connections=3) as loader:
             it = iter(loader)
+            # The stream opens at the first next() (NOTE [ An iterator's epoch ]), which waits
+            # on the stalled stripe: in a thread, whose next() ends when the stream is closed.
+            asking = threading.Thread(target=_next_quietly, args=(it,), daemon=True)
+            asking.start()
             assert stalled.wait(10)
             time.sleep(0.3)  # the client's readers wait on the stalled stripe
             assert stripe_threads(RECV_THREADS)
@@ -364,6 +374,8 @@ def test_a_stream_stopped_mid_stripe_ends_at_once(
             it.close()
             assert time.monotonic() - started < 2  # every reader honoured stopped()
             assert not it._receiver.is_alive()
+            asking.join(timeout=5)
+            assert not asking.is_alive()
     finally:
         release.set()
     assert wait_until(lambda: not stripe_threads(RECV_THREADS), 5)

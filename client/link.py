@@ -1,0 +1,164 @@
+"""How a RemoteLoader reaches its server: the channel and its stubs, unary calls tried again
+after a refusal, and the receiver thread that reads one epoch's stream over the transports."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from remote_loader.client import connect
+from remote_loader.client.errors import LoaderNotFoundError
+from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.security import TLS
+from remote_loader.client.transports import StreamEnds, Transports
+from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import tcp
+from remote_loader.protos.buffers import BufferPool
+from remote_loader.protos.slots import SlotMaps
+
+
+class ServerLink:
+    """A RemoteLoader's connection to its server, with the options that say how batches come:
+    `transport`, `data_connections`, and where they go (`device`, pinned or not, received into
+    `buffers` on the CPU). Opens the channel; `close()` closes it."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TLS | None,
+        token: str | None,
+        connect_timeout: float,
+        retries: int,
+        backoff: float,
+        transport: str,
+        data_connections: int | None,
+        device: torch.device,
+        pin: bool,
+        buffers: BufferPool | None,
+    ) -> None:
+        self.address = address
+        self.tls = tls
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._transport = transport
+        self._data_connections = data_connections
+        self._device = device
+        self._pin = pin
+        self.buffers = buffers
+        # The workers' slots this loader's streams have mapped (NOTE [ Zero-copy slots ] in
+        # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
+        self.slot_maps = SlotMaps()
+        # A data connection could not be made: later epochs do not try again (a firewall that
+        # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
+        self._no_data_connection = False
+        # The data connections' TLS: the channel's CA, certificate, key (NOTE [ TLS data
+        # connection ] in protos/tcp.py); made once, here, so a bad file fails at once.
+        self._data_tls = tls.data_context() if tls is not None else None
+        if transport == "tcp" and tcp.target_host(address) is None:
+            raise ValueError(
+                f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
+                f"{address!r}: the data connections go to that host"
+            )
+        self._channel, stubs = connect.open_stubs(address, tls, token)
+        self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
+
+    def describe(self, request: pb.DescribeRequest, what: str) -> pb.LoaderInfo:
+        info: pb.LoaderInfo = self._call(self._describe, request, what)
+        return info
+
+    def only_loader(self) -> str:
+        """The name of the server's only loader; LoaderNotFoundError if it has several."""
+        names = list(self._call(self._list, pb.ListLoadersRequest(), "listing loaders").names)
+        if len(names) != 1:
+            raise LoaderNotFoundError(
+                f"the server at {self.address} hosts {len(names)} loaders "
+                f"({', '.join(names) or 'none'}); pass loader=NAME to pick one"
+            )
+        return str(names[0])
+
+    def _call(self, method: Any, request: Any, what: str) -> Any:
+        """A unary call, tried again after a refusal (NOTE [ Waiting for the server ])."""
+        hint = (
+            "(this client speaks TLS: does the server, with this CA, and does it want a client "
+            "certificate?)"
+            if self.tls is not None
+            else "(this client speaks plaintext: a TLS server needs tls=...)"
+        )
+        return connect.first_call(
+            lambda timeout: method(request, timeout=timeout, wait_for_ready=False),
+            what=what,
+            address=self.address,
+            connect_timeout=self.connect_timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+            hint=hint,
+        )
+
+    def _wait_ready(self, timeout: float, stopped: Callable[[], bool]) -> bool:
+        """Waits up to `timeout` s for the server to answer; False if it did not, or if
+        `stopped()` turned true meanwhile."""
+        return connect.wait_ready(
+            lambda deadline: self._list.future(
+                pb.ListLoadersRequest(), timeout=deadline, wait_for_ready=True
+            ),
+            timeout,
+            stopped,
+        )
+
+    def _data_connection_failed(self) -> None:
+        self._no_data_connection = True
+
+    def receiver(
+        self, request: pb.StreamRequest, start: int, out: queue.Queue[Item], what: str
+    ) -> Receiver:
+        """The thread that reads `request`'s epoch from batch `start` into `out` (not started);
+        `what` names the stream in its errors and logs."""
+
+        def open_stream(first: int, ends: StreamEnds) -> Any:
+            again = pb.StreamRequest()
+            again.CopyFrom(request)
+            again.start = first
+            ends.offer(again)
+            # Not wait_for_ready: the receiver has waited for the connection, with a deadline
+            # (NOTE [ Waiting for the server ]); this call would wait for one without any.
+            return self._stream(again, wait_for_ready=False)
+
+        transports = Transports(
+            what,
+            use_shm=self._transport == "auto",
+            # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
+            tcp_host=(
+                tcp.target_host(self.address)
+                if self._transport != "grpc" and not self._no_data_connection
+                else None
+            ),
+            data_connections=self._data_connections,
+            on_tcp_failed=self._data_connection_failed,
+            slot_maps=self.slot_maps,
+            tcp_tls=self._data_tls,
+            tcp_server_name=self.tls.server_name if self.tls is not None else None,
+            tcp_required=self._transport == "tcp",
+        )
+        return Receiver(
+            open_stream,
+            out,
+            transports=transports,
+            device=self._device,
+            pin=self._pin,
+            what=what,
+            buffers=self.buffers,
+            start=start,
+            retries=self.retries,
+            backoff=self.backoff,
+            wait_ready=self._wait_ready,
+            connect_timeout=self.connect_timeout,
+        )
+
+    def close(self) -> None:
+        self.slot_maps.close()
+        self._channel.close()
