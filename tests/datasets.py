@@ -5,13 +5,14 @@ Worker processes import this module by that path, so everything here is module-l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import resource
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -429,3 +430,134 @@ class Logged(Dataset[torch.Tensor]):
         finally:
             os.close(fd)
         return torch.full((self.nbytes,), i % 256, dtype=torch.uint8)
+
+
+class Pair(NamedTuple):
+    number: int
+    x: torch.Tensor
+
+
+class Pairs(Dataset[Pair]):
+    """Samples as a namedtuple: default_collate keeps its type, and so must the client."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Pair:
+        return Pair(i, torch.full((3,), float(i)))
+
+
+class FailingOwn(Dataset[int]):
+    """Raises its own exception class at index `bad`: nested, so its qualname
+    ("FailingOwn.Corrupt") is not its name, and a trainer can only find it by both."""
+
+    class Corrupt(ValueError):
+        """The dataset's own error: torch's DataLoader re-raises it as this type."""
+
+    def __init__(self, n: int = 8, bad: int = 3) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            raise FailingOwn.Corrupt(f"sample {i} is corrupt")
+        return i
+
+
+def failing_init_at_length(worker_id: int) -> None:
+    """worker_init_fn whose error says a great deal (20 KB), far past gRPC's 8 KiB of metadata."""
+    raise RuntimeError(f"worker {worker_id} cannot start: " + "the reason is long. " * 1000)
+
+
+class DrawnWhenBuilt(Dataset[dict[str, Any]]):
+    """Draws, unseeded, a random permutation when it is built (as a random split or a shuffle
+    seed is drawn) and records the epoch set_epoch gave it. Sample i: its index, the drawn
+    `order[i]`, that epoch and the worker that made it. `lock`: unpicklable (NOTE [ One
+    dataset per loader ] in server/dataset_once.py)."""
+
+    def __init__(self, n: int = 24, lock: bool = False) -> None:
+        self.order = np.random.default_rng().permutation(n)
+        self.epoch = -1  # set_epoch never called
+        self.lock = threading.Lock() if lock else None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "index": i,
+            "drawn": int(self.order[i]),
+            "epoch": self.epoch,
+            "worker": _worker_id(),
+        }
+
+
+class EpochBatches(Sampler[list[int]]):
+    """A batch_sampler with set_epoch: batches of 4 of the dataset, starting `epoch` batches in."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.batches = [list(range(i, min(i + 4, len(dataset)))) for i in range(0, len(dataset), 4)]
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        k = self.epoch % len(self.batches)
+        return iter(self.batches[k:] + self.batches[:k])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def datapipe(n: int = 10, shuffle: bool = False) -> Any:
+    """torch's IterDataPipe of range(n), sharded between workers by a sharding_filter (after a
+    shuffle, when asked)."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(n))
+    return (pipe.shuffle() if shuffle else pipe).sharding_filter()
+
+
+class Straggler(Dataset[int]):
+    """Index `slow` is a straggler: it waits until `others` other samples were made, in any
+    worker (each writes a line to `log`), at most `patience` s, then `settle` s for their
+    batches to be sent; so it finishes after them however loaded the machine is, where a
+    fixed sleep would race the other worker's start."""
+
+    def __init__(
+        self,
+        log: str,
+        n: int = 10,
+        slow: int = 0,
+        others: int = 8,
+        patience: float = 5.0,
+        settle: float = 0.5,
+    ) -> None:
+        self.log, self.n, self.slow, self.others = log, n, slow, others
+        self.patience, self.settle = patience, settle
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i != self.slow:
+            with open(self.log, "a") as f:
+                f.write(f"{i}\n")
+            return i
+        deadline = time.monotonic() + self.patience
+        while time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError), open(self.log) as f:
+                if len(f.readlines()) >= self.others:
+                    break
+            time.sleep(0.01)
+        time.sleep(self.settle)
+        return i

@@ -75,3 +75,11 @@ def test_an_elastic_restart_reads_every_sample_once() -> None:
     assert "read 48 samples" in out and "read 168 samples" in out, out
     assert "480 samples read, 480 distinct, 0 repeated, 0 missing" in out, out
     assert "elastic check passed" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_lightning_over_a_hugging_face_stream_reshuffles_per_epoch() -> None:
+    out = run_example("examples/lightning_hf.py", "--epochs", "2")
+    assert "epoch 0: first ids" in out and "epoch 1: first ids" in out, out
+    assert "every id once: NO" not in out, out
+    assert "each epoch in its own order: yes" in out, out
