@@ -28,6 +28,18 @@ ray_direct = false: the batches go through Ray's object store and the bridge. No
 an address outside these namespaces; `close` kills what runs in them and deletes them and the
 bridge, also on Ctrl-C.
 
+`--faults` measures instead, on 2 worker nodes, an epoch during which node2 is killed (every
+process of its namespace, SIGKILL, as a host that dies: Ray learns it from its health checks
+seconds later) or falls silent to the trainer (tc sends what goes between the trainer and node2,
+both ways, into a class of 8 bit/s, while node2 and the coordinator still talk), after batch
+FAULT_AT, each on a fresh cluster: whether the epoch still equals torch's, the seconds it lost
+against the same epoch without a fault, the longest wait for a batch and the stream's resumes.
+Measured on the 2-core machine (`--faults --batches 80 --batch-size 8`): node killed, the
+epoch exact, 5.1 s lost (its actors' tasks wait REPLACE_PATIENCE, then go to node1's), one
+resume (a batch already named on node2); node silent, exact, 6.5 s lost, the longest wait
+3.6 s (NODE_SILENCE, client/transports/node.py), one resume, then node2's batches through the
+server (0.61 of the bytes from the nodes).
+
 Printed per node count: batches/s of the epoch, whether the batches equal a local torch
 DataLoader's, and the bytes that crossed the coordinator's interface (`ip -s link`, received
 and sent) per byte of encoded batch the trainer got: through the server each batch comes in
@@ -353,6 +365,110 @@ def measure(hosts: Hosts, args: argparse.Namespace, nodes: int, env: dict[str, s
     )
 
 
+# --faults: what is done to node2 after batch FAULT_AT of the measured epoch.
+FAULTS = ("none", "node killed", "node silent")
+FAULT_AT = 10
+
+
+def black_hole(namespace: str | None, device: str, match: Sequence[str]) -> None:
+    """What leaves `device` and matches (tc u32 `match` words) goes into a class of 8 bit/s:
+    silence, as a partition (the first packet may pass); the rest flows."""
+    tc = ["tc", *(["-n", namespace] if namespace else [])]
+    parent = ["dev", device, "parent", "1:"]
+    run([*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "10"])
+    run([*tc, "class", "add", *parent, "classid", "1:10", "htb", "rate", "10gbit"])
+    silent = ["rate", "8bit", "ceil", "8bit", "burst", "1", "cburst", "1"]
+    run([*tc, "class", "add", *parent, "classid", "1:20", "htb", *silent])
+    run(
+        [
+            *tc,
+            "filter",
+            "add",
+            *parent,
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            *match,
+            "flowid",
+            "1:20",
+        ]
+    )
+
+
+def silence(on: bool) -> None:
+    """node2 and the trainer (the root namespace, on the bridge) stop hearing each other."""
+    node2, trainer = ip("node2"), str(NETWORK.network_address + 1)
+    ends = [(None, BRIDGE, node2), ("rlh-node2", "rlhnode2i", trainer)]
+    for namespace, device, peer in ends:
+        if on:
+            black_hole(namespace, device, ["match", "ip", "dst", f"{peer}/32"])
+        else:
+            where = ["-n", namespace] if namespace else []
+            subprocess.run(
+                ["tc", *where, "qdisc", "del", "dev", device, "root"], capture_output=True
+            )
+
+
+def inject(fault: str) -> None:
+    if fault == "node killed":
+        for pid in run(["ip", "netns", "pids", "rlh-node2"]).split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    elif fault == "node silent":
+        silence(True)
+
+
+def measure_fault(
+    hosts: Hosts, args: argparse.Namespace, fault: str, env: dict[str, str]
+) -> tuple[float, str]:
+    """One epoch on 2 worker nodes with `fault` made after batch FAULT_AT: its seconds and the
+    row's columns after them."""
+    with (
+        cluster(hosts, 2, env, args.node_cpus) as ray_address,
+        tempfile.TemporaryFile("w+") as log,
+    ):
+        server, address = serve(hosts, args, ray_address, 2, env, log)
+        try:
+            with RemoteLoader(
+                address, "bench", transport="auto", device="cpu", timeout=300
+            ) as loader:
+                list(loader)  # warm-up: the actors' first slots, the connections
+                got, longest = [], 0.0
+                start = last = time.perf_counter()
+                for i, batch in enumerate(loader):
+                    now = time.perf_counter()
+                    longest, last = max(longest, now - last), now
+                    got.append(batch)
+                    if i == FAULT_AT:
+                        inject(fault)
+                seconds = time.perf_counter() - start
+                stats = loader.stats()
+        finally:
+            silence(False)
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=60)
+    return seconds, (
+        f"{'yes' if same(got, expected(args)) else 'NO':>7} {longest:>8.1f} "
+        f"{stats.reconnects:>7} {stats.node_bytes / max(1, stats.bytes):>6.3f}"
+    )
+
+
+def faults(hosts: Hosts, args: argparse.Namespace, tmp: str) -> None:
+    print(
+        f"{'fault':<12} {'seconds':>8} {'lost':>6} {'torch':>7} {'longest':>8} {'resumes':>7} "
+        f"{'node':>6}   (lost: seconds against the epoch without a fault; longest: the "
+        "longest wait for a batch, s; node: share of batch bytes fetched from the nodes)"
+    )
+    baseline = None
+    for fault in FAULTS:
+        sessions = tempfile.mkdtemp(prefix=f"{fault.replace(' ', '-')}-", dir=tmp)
+        seconds, row = measure_fault(hosts, args, fault, ray_env(sessions))
+        baseline = seconds if baseline is None else baseline
+        print(f"{fault:<12} {seconds:>8.1f} {seconds - baseline:>6.1f} {row}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=40)
@@ -366,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--through-store", action="store_true")
     parser.add_argument("--through-server", action="store_true")
+    parser.add_argument(
+        "--faults", action="store_true", help="a node killed, a node silent (module doc)"
+    )
     args = parser.parse_args(argv)
     if args.node_cpus is not None and not (
         0.01 <= args.node_cpus <= (os.cpu_count() or 1) and (CPU_CGROUP / "tasks").exists()
@@ -391,14 +510,17 @@ def main(argv: list[str] | None = None) -> int:
             else "KEEP lanes: the trainer fetches from the nodes"
         )
     )
-    print(
-        f"{'nodes':>5} {'b/s':>8} {'MB/s':>8} {'torch':>7} {'coord in':>8} {'out':>8} "
-        f"{'node':>6}   (coord: bytes through the coordinator's interface per batch byte; "
-        "node: share of batch bytes fetched from the nodes)"
-    )
     tmp = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")
     hosts = Hosts()
     try:
+        if args.faults:
+            faults(hosts, args, tmp)
+            return 0
+        print(
+            f"{'nodes':>5} {'b/s':>8} {'MB/s':>8} {'torch':>7} {'coord in':>8} {'out':>8} "
+            f"{'node':>6}   (coord: bytes through the coordinator's interface per batch byte; "
+            "node: share of batch bytes fetched from the nodes)"
+        )
         for nodes in (int(n) for n in args.nodes.split(",")):
             sessions = tempfile.mkdtemp(prefix=f"{nodes}-", dir=tmp)  # a cluster's own
             print(measure(hosts, args, nodes, ray_env(sessions)), flush=True)

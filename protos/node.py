@@ -90,13 +90,26 @@ cross the server as before. An actor lost with batches on its node: NOTE [ Node 
 server/remote.py.
 
 A connection that breaks mid-batch, or a slot reused under a read (STALE), breaks the stream,
-which the client resumes from that batch as after any data connection break.
+which the client resumes from that batch as after any data connection break. So does a node
+that goes silent: one that sends nothing of a batch the server named there for NODE_SILENCE
+(client/transports/node.py: 3 s, where a data connection waits tcp.STALL_TIMEOUT, 30 s) is cut
+off from this trainer (a partition, a firewall) or stopped. The node pushes a batch as soon as
+it is named and the trainer reads its batches in the order named, so when the trainer waits
+for one, every byte named before it on that node is out already: seconds of nothing mean
+something is wrong, not that the node is busy. The resumed stream announces the node again;
+a trainer that still cannot reach it never makes the server hear REACHED, so after REACH_WAIT
+its batches come through the server; the other nodes' batches keep coming from their nodes.
+Measured with a trainer cut off from one of two actors' nodes mid-epoch: one resume and about
+5 s without a batch, where it took 30.8 s (tests/test_ray_faults.py).
 
 Bounds: per stream and node, at most tcp.MAX_DATA_CONNECTIONS connections; a node's data server
 holds at most MAX_NODE_CONNECTIONS (a new one past it closes the oldest) and remembers the
 connection counts of at most MAX_NONCES streams. Bytes in flight: the kernel's socket buffers;
 the slots a node holds for trainers are the pool's (prefetch_factor * num_workers tasks plus
-the batches being sent), each released once its stream has fetched it or has ended.
+the batches made and not yet sent) and, per stream, at most NAMED_AHEAD (4) named there and
+not yet written whole to the trainer (server/transports/node.py: naming is a Frame, and
+without that bound a slow trainer had a whole epoch named ahead, each batch in an actor's
+slot), each released once the node has written it or its stream has ended.
 """
 
 from __future__ import annotations

@@ -62,6 +62,14 @@ MAX_PRELOAD_BYTES = 64 << 10
 # with those.
 
 
+# Never preloaded, though a loader's start-up imports them: Ray (require_backend checks that it
+# imports) reads its settings from the environment when it is imported, and the Ray bridge, a
+# child of the fork server, sets them first (RAY_AUTH_MODE for a local instance: imported
+# before, the bridge's client and the GCS it started disagreed on token authentication and the
+# GCS never came up). Local workers do not need it.
+NOT_PRELOADED = frozenset({"ray"})
+
+
 def imported_since(before: Collection[str], objects: Iterable[object] = ()) -> list[str]:
     """The modules imported since `before` (a snapshot of sys.modules), in the order they were,
     and the modules of `objects`' classes, for the fork server to preload."""
@@ -69,7 +77,15 @@ def imported_since(before: Collection[str], objects: Iterable[object] = ()) -> l
     names += [type(obj).__module__ for obj in objects]
     # Not importable by name: the main module (prepared apart) and interpreter internals.
     skip = ("__main__", "__mp_main__", "builtins")
-    return list(dict.fromkeys(n for n in names if n not in skip and not n.startswith("_frozen")))
+    return list(
+        dict.fromkeys(
+            n
+            for n in names
+            if n not in skip
+            and not n.startswith("_frozen")
+            and n.split(".")[0] not in NOT_PRELOADED
+        )
+    )
 
 
 def start_fork_server(

@@ -52,7 +52,8 @@ actors placed and their datasets built: about 2 s a pool on the test machine), a
 without persistent_workers would pay that every epoch. So such a pool is kept after its Run
 for the loader's next one (server/host.py, KEEP_IDLE_POOL: 30 s, one per loader), and its
 actors begin each epoch as torch's new worker processes would: the bridge's Begin and a lane's
-EpochStart carry `fresh`, and an actor builds its dataset again and runs worker_init_fn again
+EpochStart carry `fresh`, and an actor takes a new copy of the loader's dataset (its pickle
+again: NOTE [ One dataset per loader ] in server/dataset_once.py) and runs worker_init_fn again
 (server/ray_actor.py), seeded for the epoch. Kept longer, an idle pool would hold its actors'
 CPUs of the cluster while no epoch runs, and other loaders' pools could not be placed; past
 KEEP_IDLE_POOL it is shut down, and the next epoch starts a new one.
@@ -70,10 +71,12 @@ import multiprocessing.context
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from remote_loader.server.dataset_once import SharedDataset
 from remote_loader.server.engine import WorkerDiedError, WorkerInitError
 from remote_loader.server.pool_backend import Event, Ready, Short
 from remote_loader.server.ray_bridge import (
     ACTOR_START_TIMEOUT,
+    MAX_FAILED_STARTS,
     BridgeConfig,
     Kill,
     Lost,
@@ -135,6 +138,7 @@ class RayBackend:
         *,
         address: str | None,
         max_batch_bytes: int,
+        dataset: SharedDataset,
         direct: bool = True,
         node_fetch: bool = True,
         record: Callable[[str, int], None] = lambda path, nbytes: None,
@@ -143,6 +147,9 @@ class RayBackend:
         self.batching = batching
         self.address = address
         self.max_batch_bytes = max_batch_bytes
+        # What each actor starts from (NOTE [ One dataset per loader ]): the bridge puts it in
+        # Ray's object store once.
+        self.dataset = dataset
         self.nodes = 0  # nodes the actors were placed on at start
         self._ctx = ctx
         self._bridge: multiprocessing.process.BaseProcess | None = None
@@ -188,6 +195,9 @@ class RayBackend:
             "kept": self.kept,
             # NOTE [ Node lost ] in server/remote.py: batches made again after their actor was.
             "remade": 0 if self._lanes is None else self._lanes.remade,
+            # The KEEP lanes' actors' slots, now and at most (NOTE [ Node data connection ]).
+            "kept_bytes": 0 if self._lanes is None else self._lanes.kept_bytes(),
+            "kept_peak": 0 if self._lanes is None else self._lanes.kept_peak,
         }
 
     @property
@@ -217,6 +227,7 @@ class RayBackend:
             self.spec,
             self.batching,
             self.max_batch_bytes,
+            self.dataset,
             self.address,
             None if self._lanes is None else self._lanes.address,
             commands_reader,
@@ -359,8 +370,16 @@ class RayBackend:
             current = self._current(message.worker_id, message.incarnation)
             return message if current else None  # else its task was re-issued
         if isinstance(message, Lost):
-            if self._current(message.worker_id, message.incarnation):
-                self._actors[message.worker_id].died(message.reason, message.making)
+            if not self._current(message.worker_id, message.incarnation):
+                return None
+            if message.failed_starts >= MAX_FAILED_STARTS:
+                raise WorkerDiedError(
+                    f"{message.reason}; Ray failed to start Ray worker {message.worker_id}'s "
+                    f"actor {message.failed_starts} times in a row, so the loader's pool cannot "
+                    f"run on {self.where} (`ray status`, the nodes' logs); the next epoch starts "
+                    "a new pool"
+                )
+            self._actors[message.worker_id].died(message.reason, message.making)
             return None
         if isinstance(message, Placed):
             if not self._current(message.worker_id, message.incarnation):

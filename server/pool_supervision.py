@@ -56,7 +56,13 @@ log = logging.getLogger(__name__)
 #   - an IterableDataset shards itself by worker: without the worker its share is lost, so the
 #     epoch ends with WorkerDiedError (the pool is replaced and says what it lacks);
 #   - when the worker's Ready comes (CPUs returned: a node joined), it takes tasks again and
-#     the bound and gauge grow back.
+#     the bound and gauge grow back, with a warning ("started again: N of M workers"). A short
+#     worker keeps trying: a start the backend gives up (Ray failed it: NOTE [ Every start
+#     ends ] in server/ray_bridge.py) is a death like any other, and its replacement waits
+#     for CPUs in turn (Short at once when none are free), so the pool grows back once any
+#     of its starts lands, within seconds of a node joining (11.4 s in
+#     tests/test_ray_faults.py, Ray's verdict on the lost node included). Events are read
+#     while an epoch polls the backend: between epochs, at the next one.
 # If no worker is left to take them, the tasks wait for the replacement, as before.
 # A backend says Short only when the worker truly cannot start for now (the Ray bridge: its CPUs
 # are not free in the cluster, or it has not started in SLOW_START_PATIENCE): tasks moved away

@@ -19,11 +19,12 @@ pool core of server/pool.py, which decides everything a worker's life involves):
                     (incarnations 0..n-1), or StartFailed(message) and exit; then a Result
                     (server/worker.py) per task, Lost(worker_id, incarnation, reason, making)
                     when an actor died (the core replaces it with a Spawn and re-issues its
-                    tasks), Shortfall(worker_id, incarnation, message) when a spawned actor has
-                    not started within REPLACE_PATIENCE for want of CPUs, or within
-                    SLOW_START_PATIENCE at all (NOTE [ Capacity lost ] in
-                    server/pool_supervision.py), and Placed(worker_id, incarnation, attached)
-                    once it has. `attached`: the actor attached a direct lane to the server
+                    tasks; also when Ray failed a spawned actor's start), Shortfall(worker_id,
+                    incarnation, message) when a spawned actor has not started within
+                    REPLACE_PATIENCE for want of CPUs, or within SLOW_START_PATIENCE at all
+                    (NOTE [ Capacity lost ] in server/pool_supervision.py), and
+                    Placed(worker_id, incarnation, attached) once it has (NOTE [ Every start
+                    ends ]). `attached`: the actor attached a direct lane to the server
                     (NOTE [ Ray direct lane ] in server/ray_lane.py); the server sends the
                     tasks of an actor whose lane it took down the lane, never here.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/ray_connect.py.
@@ -45,6 +46,32 @@ buffer before the next task starts.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
 lost node costs as few workers as it can, and each asks `ray_num_cpus` CPUs.
+
+NOTE [ Every start ends ]
+
+Ray may fail an actor's creation however it was placed: on a node that died before Ray
+declared it dead (Ray offers a dead node's CPUs until its health checks fail: 5 checks 3 s
+apart by default, 12.8-14.7 s measured, and the creation fails with ActorDiedError then), on
+one that dies while it starts, killed while it waited for CPUs, or its constructor raising.
+Every start a Spawn asks for ends in one answer to the server:
+
+    Placed     it started (its `node` call returned): the server sends it its held tasks;
+    Lost       Ray failed it (making -1: it made nothing, so no task is charged an attempt);
+               the server replaces it with another start and re-issues its tasks. With no CPUs
+               free for that one, it is Short at once (checked when it is spawned, not
+               REPLACE_PATIENCE later). MAX_FAILED_STARTS (3) of one worker's in a row fail
+               the epoch with the last reason (WorkerDiedError; the next epoch starts a new
+               pool) rather than start actors for ever;
+    Shortfall  neither within REPLACE_PATIENCE while the CPUs it asks are not free, or within
+               SLOW_START_PATIENCE at all: the pool goes on without it; the start goes on, and
+               ends later in Placed (the pool grows back) or Lost (another start, and so on).
+
+Bound: every start is answered within SLOW_START_PATIENCE (30 s), and a start Ray fails as soon
+as Ray says so (a replacement placed on a killed node: 13-15 s without a batch in
+tests/test_ray_faults.py, Ray's verdict on the node). It used to be dropped ("shows in its
+first task"), but the server holds a starting actor's tasks until Placed (RayBackend's
+`pending`), so none reached Ray to show it: the epoch hung, or a worker whose tasks had moved
+stayed short for good.
 """
 
 from __future__ import annotations
@@ -60,6 +87,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from remote_loader.server.collating import WorkerSlots
+from remote_loader.server.dataset_once import SharedDataset
 from remote_loader.server.ray_actor import RayWorker
 from remote_loader.server.ray_connect import (
     capacity,
@@ -83,6 +111,10 @@ REPLACE_PATIENCE = 5.0
 # since moving its tasks would have them made twice (the calls stay queued on the actor). Past
 # it, CPUs free but on no single node (fragmented) or not usable by it count as missing.
 SLOW_START_PATIENCE = 30.0
+# How many starts of one worker Ray may fail in a row (NOTE [ Every start ends ]) before the
+# pool is taken as unable to run here (a runtime_env or an actor that cannot be built on any
+# node): the epoch then fails with why, rather than starting actors for ever.
+MAX_FAILED_STARTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +122,7 @@ class BridgeConfig:
     spec: LoaderSpec
     batching: Batching
     max_batch_bytes: int
+    dataset: SharedDataset  # the loader's, pickled once (NOTE [ One dataset per loader ])
     address: str | None  # None: start a local Ray instance
     lane: LaneAddress | None  # where this host's actors attach (NOTE [ Ray direct lane ])
     commands: Any  # reading end of the server's pipe
@@ -140,6 +173,9 @@ class Lost:
     incarnation: int
     reason: str
     making: int  # the task whose call failed with the actor's death (-1: none)
+    # Ray failed this worker's starts so many times in a row, this one included (0: it died
+    # after it started). At MAX_FAILED_STARTS the server gives up on the pool.
+    failed_starts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +228,14 @@ class _Bridge:
         # Per incarnation: the tasks sent to it and not answered, in the order sent, each
         # False until its call failed with the actor's death (NOTE on which task a death costs).
         self.calls: dict[int, dict[int, bool]] = {}
-        # Incarnations that died (a call failed so): one Lost each, once all calls came back.
+        # Incarnations that died (a call failed so, or their start did): one Lost each, once
+        # all calls came back.
         self.dead: dict[int, str] = {}
+        # ... of them, those that never started (Ray failed their creation): making nothing;
+        # and per worker id, how many of its starts in a row Ray failed (its replacement is
+        # looked at once: `spawn`).
+        self.unstarted: set[int] = set()
+        self.failed_starts: dict[int, int] = {}
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
         # one start-up (and its patience timer) per actor spawned.
@@ -202,6 +244,10 @@ class _Bridge:
         )
         # Guards the slots: released by the command thread, taken by the main loop.
         self.lock = threading.Lock()
+        # The dataset's pickle, put in Ray's object store once: every actor, a replacement's
+        # too, is handed this reference (Ray passes an actor the object itself), not a copy.
+        pickled = cfg.dataset.array()
+        self.dataset = None if pickled is None else ray.put(pickled)
 
     def new_actor(self, worker_id: int, num_workers: int, incarnation: int) -> Any:
         cfg = self.cfg
@@ -213,6 +259,7 @@ class _Bridge:
             cfg.max_batch_bytes,
             incarnation,
             cfg.lane,
+            self.dataset,
         )
 
     def start(self) -> Started:
@@ -245,12 +292,15 @@ class _Bridge:
         actor.node.remote().future().add_done_callback(
             lambda f: self.done.put((w, incarnation, _STARTED, f))
         )
-        self.be_patient(w, incarnation)
+        # The replacement of an actor Ray failed to start is looked at once: without the CPUs
+        # it asks free it is short now, not REPLACE_PATIENCE later (NOTE [ Every start ends ]).
+        self.be_patient(w, incarnation, 0.0 if self.failed_starts.get(w) else None)
 
-    def be_patient(self, worker_id: int, incarnation: int) -> None:
-        """Looks again at a starting actor after REPLACE_PATIENCE (serve: `overdue`)."""
+    def be_patient(self, worker_id: int, incarnation: int, wait: float | None = None) -> None:
+        """Looks again at a starting actor after `wait` (None: REPLACE_PATIENCE; serve:
+        `overdue`)."""
         patience = threading.Timer(
-            REPLACE_PATIENCE,
+            REPLACE_PATIENCE if wait is None else wait,
             lambda: self.done.put((worker_id, incarnation, _OVERDUE, Future())),
         )
         patience.daemon = True
@@ -268,11 +318,16 @@ class _Bridge:
         if free + 1e-6 >= cpus and waited < SLOW_START_PATIENCE:
             self.be_patient(worker_id, incarnation)
             return None
+        late = (
+            f"has not started within {waited:.0f} s"
+            if waited >= 1.0
+            else "cannot start now (Ray failed to start the last one)"
+        )
         return Shortfall(
             worker_id,
             incarnation,
-            f"Ray worker {worker_id}'s actor has not started within {waited:.0f} s "
-            f"(it asks ray_num_cpus={cpus:g} CPUs; {free:g} free of {total:g} in the cluster)",
+            f"Ray worker {worker_id}'s actor {late} (it asks ray_num_cpus={cpus:g} CPUs; "
+            f"{free:g} free of {total:g} in the cluster)",
         )
 
     def forget(self, incarnation: int) -> None:
@@ -280,15 +335,41 @@ class _Bridge:
         self.slots.pop(incarnation, None)
         self.calls.pop(incarnation, None)
         self.dead.pop(incarnation, None)
+        self.unstarted.discard(incarnation)
+
+    def started(self, worker_id: int, incarnation: int, future: Future[Any]) -> Any:
+        """A spawned actor's start ended (NOTE [ Every start ends ]): Placed, or Lost when
+        Ray failed it; None for an actor replaced meanwhile."""
+        self.starting.pop((worker_id, incarnation), None)
+        if not self.current(worker_id, incarnation):
+            return None
+        error = future.exception()
+        if error is None:
+            self.failed_starts.pop(worker_id, None)
+            _, attached = future.result()
+            return Placed(worker_id, incarnation, attached)
+        # Its creation failed (placed on a node that died before Ray declared it dead, killed
+        # while pending, its constructor failed): the server replaces it and re-issues its
+        # tasks, charging none of them (it made nothing).
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        with self.lock:
+            if incarnation not in self.calls:
+                return None  # replaced meanwhile
+            self.unstarted.add(incarnation)
+            self.failed_starts[worker_id] = self.failed_starts.get(worker_id, 0) + 1
+            self.dead.setdefault(
+                incarnation,
+                f"DataLoader worker {worker_id}'s Ray actor failed to start "
+                f"({type(error).__name__}: {first})",
+            )
+        return self.lost(worker_id, incarnation)
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
         actor, incarnation = self.actors[worker_id], self.incarnations[worker_id]
         if isinstance(message, EpochStart):
             # `fresh`: torch's new worker processes of an epoch without persistent_workers.
             fresh = not self.cfg.spec.parts.pool.persistent_workers
-            actor.begin_epoch.remote(
-                message.epoch_key, message.base_seed, message.compression, fresh
-            )
+            actor.begin_epoch.remote(message, fresh)
             return
         task = message
         with self.lock:
@@ -363,9 +444,13 @@ class _Bridge:
             if calls is None or not all(calls.values()):
                 return None
             making = next(iter(calls), -1)  # the first that failed, in the order sent
+            failed = 0
+            if incarnation in self.unstarted:
+                making = -1  # it never started: its calls failed unmade
+                failed = self.failed_starts.get(worker_id, 1)
             calls.clear()
             why = self.dead.pop(incarnation)
-        return Lost(worker_id, incarnation, why, making=making)
+        return Lost(worker_id, incarnation, why, making=making, failed_starts=failed)
 
     def in_slot(self, incarnation: int, fields: dict[str, Any]) -> dict[str, Any] | None:
         """A batch's fields as the server reads them: the encoded batch (`blob`, out of Ray's
@@ -422,12 +507,9 @@ class _Bridge:
                     self.cfg.results.send(short)
                 continue
             if isinstance(task, str):  # _STARTED
-                self.starting.pop((worker_id, incarnation), None)
-                if self.current(worker_id, incarnation) and future.exception() is None:
-                    _, attached = future.result()
-                    self.cfg.results.send(Placed(worker_id, incarnation, attached))
-                continue  # an actor that failed to start shows in its first task
-            message = self.reply(worker_id, incarnation, task, future)
+                message = self.started(worker_id, incarnation, future)
+            else:
+                message = self.reply(worker_id, incarnation, task, future)
             if message is not None:
                 self.cfg.results.send(message)
             del future, message

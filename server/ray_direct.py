@@ -76,8 +76,10 @@ class Attached:
     # indices, seed): the first is the one it was making when it died, and a KEEP lane's batch
     # may be made again (NOTE [ Node lost ] in server/remote.py).
     unanswered: dict[int, tuple[int, Any, int | None]] = dataclasses.field(default_factory=dict)
-    # A KEEP lane's: its data server's address, from its first Result.
+    # A KEEP lane's: its data server's address, from its first Result, and the sizes of the
+    # slots the actor keeps batches in there, by slot (its memory held for trainers).
     node: tuple[str, int] | None = None
+    kept: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def making(self) -> int:
@@ -108,6 +110,9 @@ class DirectLanes:
         if node_fetch:
             key = node_protocol.node_key(self._lanes.address.secret)
             self._directory = NodeDirectory(key, record, self._remake)
+        # The most bytes of slots the KEEP lanes' actors held at once (tests, describe()):
+        # bounded by NOTE [ Node data connection ]'s rule, NAMED_AHEAD per stream and node.
+        self.kept_peak = 0
         # Lanes are written by the pool's thread and, for a batch made again, by the
         # directory's (NOTE [ Node lost ] in server/remote.py).
         self._sending = threading.Lock()
@@ -169,11 +174,15 @@ class DirectLanes:
         here (a buffer as large as each new slot) and its handle (NOTE [ Node data
         connection ] in protos/node.py)."""
         assert self._directory is not None and result.node is not None
+        for slot in result.dropped:
+            end.kept.pop(slot, None)
         if isinstance(result.new_buffer, SlotSize):
             # Shared from the start: the pool's slot table shares it (server/slots.py), which
             # would move a private tensor's memory from under the views taken before.
-            room = torch.empty(result.new_buffer.size, dtype=torch.uint8).share_memory_()
+            end.kept[result.slot] = size = result.new_buffer.size
+            room = torch.empty(size, dtype=torch.uint8).share_memory_()
             result = dataclasses.replace(result, new_buffer=room)
+            self.kept_peak = max(self.kept_peak, self.kept_bytes())
         host, port = result.node
         end.node = (host, port)
         if result.total_nbytes:
@@ -188,6 +197,10 @@ class DirectLanes:
             )
             result = dataclasses.replace(result, remote=kept)
         return result
+
+    def kept_bytes(self) -> int:
+        """Bytes of the slots the live actors on KEEP lanes hold (their batches for trainers)."""
+        return sum(sum(end.kept.values()) for end in list(self._live()))
 
     def _remake(self, batch: RemoteBatch, remake_id: int) -> tuple[str, int] | None:
         """Sends `batch` to be made again by a live actor on a KEEP lane elsewhere than where it

@@ -46,6 +46,13 @@ def contract_specs(pool: str, log: str) -> list[LoaderSpec]:
     ray: dict[str, Any] = {"pool": "ray", "ray_num_cpus": 0.1} if pool != "local" else {}
     return [
         LoaderSpec(name="aug", num_workers=2, **CASES["random-aug"], **ray),
+        LoaderSpec(
+            name="drawn",
+            dataset="tests.datasets:DrawnWhenBuilt",
+            batch_size=4,
+            num_workers=2,
+            **ray,
+        ),
         LoaderSpec(name="iterable", num_workers=2, **CASES["iterable"], **ray),
         LoaderSpec(
             name="sizes",
@@ -132,6 +139,21 @@ def test_workers_give_torchs_batches(served: Server, name: str, case: str) -> No
     expected = local_batches(LoaderSpec(name=name, num_workers=2, **CASES[case]), SEED, 3)
     assert len(remote) == len(expected) > 0
     assert_same(remote, expected)
+
+
+@pytest.mark.timeout(300)
+def test_workers_start_from_the_servers_dataset_and_get_its_epoch(served: Server) -> None:
+    # NOTE [ One dataset per loader ], NOTE [ Epoch hooks ]: what the dataset drew when the
+    # server built it is every worker's; set_epoch gets the epoch the stream asked for (a Ray
+    # pool is kept between epochs: its actors take a new copy each).
+    order = served.hosts["drawn"].dataset.order.tolist()
+    with RemoteLoader(served.address, "drawn", device="cpu") as loader:
+        for epoch in (0, 4):
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            assert [d for b in batches for d in b["drawn"].tolist()] == order
+            assert {e for b in batches for e in b["epoch"].tolist()} == {epoch}
+            assert {w for b in batches for w in b["worker"].tolist()} == {0, 1}
 
 
 @pytest.mark.timeout(300)

@@ -223,12 +223,15 @@ def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
 
 
 def test_out_of_order_on_ray_is_the_same_multiset(address: str) -> None:
-    def key(batch: Any) -> Any:
-        return batch[0].tolist()
-
     remote = epoch_of(address, "unordered", epoch=0)
     spec = LoaderSpec(name="u", num_workers=2, **CASES["random-aug"])
-    assert_same(sorted(remote, key=key), sorted(local_batches(spec, SEED, 0), key=key))
+
+    # With in_order = false a task goes to an actor with room (NOTE [ Dispatch ]): which one
+    # makes a batch, and so what its RNGs draw, depends on timing; its samples do not.
+    def samples(batches: list[Any]) -> list[Any]:
+        return sorted((batch[0] for batch in batches), key=lambda indices: indices.tolist())
+
+    assert_same(samples(remote), samples(local_batches(spec, SEED, 0)))
 
 
 def test_sharing_and_resume_work_unchanged_on_ray(address: str) -> None:

@@ -367,9 +367,14 @@ def test_ray_runtime_env_is_checked() -> None:
 
 @pytest.mark.timeout(240)
 def test_a_dataset_module_only_in_ray_runtime_env_working_dir(tmp_path: Path) -> None:
+    # The factory runs once, in the server (NOTE [ One dataset per loader ]); the samples are
+    # made by the actors, which read the runtime_env's variable.
     (tmp_path / "rl_life_wd_data.py").write_text(
-        "import os\n\n\ndef numbers(n):\n"
-        "    return [i * 10 + int(os.environ.get('RL_LIFE_MARK', 0)) for i in range(n)]\n"
+        "import os\n\n\nclass numbers:\n"
+        "    def __init__(self, n):\n        self.n = n\n\n"
+        "    def __len__(self):\n        return self.n\n\n"
+        "    def __getitem__(self, i):\n"
+        "        return i * 10 + int(os.environ.get('RL_LIFE_MARK', 0))\n"
     )
     spec = ray_spec(
         dataset="rl_life_wd_data:numbers",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,6 +24,16 @@ NODE_THREAD_NAME = "rl-node-recv"
 # Nodes one stream connects to (a pool's actors of other hosts: each has a data server); past
 # it, announcements are ignored and those nodes' batches keep coming through the server.
 MAX_NODES = 256
+# How long a node may send nothing of a batch this stream reads from it before it counts as
+# silent (cut off from this trainer, or stopped): the stream breaks and is resumed from that
+# batch, whose node's batches then come through the server if it still cannot be reached
+# (NOTE [ Node data connection ] in protos/node.py). The node pushes a batch as soon as it is
+# named, so a few seconds of nothing is no busy node; a data connection waits STALL_TIMEOUT.
+# Counted per batch: a byte of any of its stripes is a sign of life (the node writes them one
+# after another, so a stripe may wait for the others to leave).
+NODE_SILENCE = 3.0
+# A stripe is read in pieces of this size, each a sign of life of its node.
+PROGRESS_STEP = 1 << 20
 
 Address = tuple[str, int]
 
@@ -100,9 +111,15 @@ class NodeEnd:
         stripes = tcp.stripes(assembly.total, len(socks))
         answered = [False] * len(stripes)
         failed = threading.Event()  # one stripe failed: the others stop
+        heard = [time.monotonic()]  # the last sign of life of the node, any stripe's
+        silent = threading.Event()  # none for NODE_SILENCE: every stripe stops
 
         def stop() -> bool:
-            return failed.is_set() or self._stopped()
+            if failed.is_set() or self._stopped():
+                return True
+            if time.monotonic() - heard[0] >= NODE_SILENCE:
+                silent.set()
+            return silent.is_set()
 
         def read(i: int, view: memoryview) -> bool:
             # The node pushes each stripe after a status byte, read into the assembly's views
@@ -111,7 +128,13 @@ class NodeEnd:
                 answered[i] = True
                 if not node.answer(socks[i], stop):
                     return False
-            return tcp.recv_into(socks[i], view, stop)
+                heard[0] = time.monotonic()
+            view = tcp.as_bytes(view)
+            for lo in range(0, len(view), PROGRESS_STEP):
+                if not tcp.recv_into(socks[i], view[lo : lo + PROGRESS_STEP], stop):
+                    return False
+                heard[0] = time.monotonic()
+            return True
 
         try:
             done = assembly.receive(
@@ -125,9 +148,16 @@ class NodeEnd:
             ) from exc
         if done:
             self.fetched += assembly.total
-        else:
-            self._drop((where.host, where.port))
-        return done
+            return True
+        self._drop((where.host, where.port))
+        if silent.is_set() and not self._stopped():
+            # Cut off from this trainer (or stopped): a new stream has the batch, through the
+            # server if the node still cannot be reached (NOTE [ Node data connection ]).
+            raise ConnectionLostError(
+                f"{self._what}: batch {assembly.batch} is on {where.host}:{where.port}, which "
+                f"sent nothing of it for {NODE_SILENCE:g} s"
+            )
+        return False
 
     def _drop(self, address: Address) -> None:
         connecting = self._nodes.pop(address, None)
