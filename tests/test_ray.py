@@ -218,6 +218,9 @@ def test_without_ray_address_the_server_starts_a_local_ray_instance() -> None:
             "copied": 0,
             "kept": 0,
             "remade": 0,
+            # No node keeps batches here (none was fetched from its node).
+            "kept_bytes": 0,
+            "kept_peak": 0,
         }
         assert_same(epoch_of(server.address, "here"), epoch_of_local("map"))
 
