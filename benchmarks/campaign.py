@@ -169,7 +169,7 @@ class Campaign:
 
     def start_server(self) -> None:
         argv = [
-            sys.executable, "-m", "remote_loader.server.cli", "serve",
+            sys.executable, "-m", "remote_loader.server.cli.main", "serve",
             "--address", f"{self.host}:{GRPC_PORT}", "--data-address", f"{self.host}:{DATA_PORT}",
             "--log-level", "ERROR", "--name", "campaign", "--dataset", "benchmarks.campaign:Tagged",
             "--batch-size", str(BATCH), "--shuffle", "--num-workers", "2", "--seed", str(SEED),

@@ -58,7 +58,7 @@ import torch
 
 from remote_loader.client import TLS
 from remote_loader.protos import tcp
-from remote_loader.server.auth import load_tls
+from remote_loader.server.api.auth import load_tls
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is not a package on the path

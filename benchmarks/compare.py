@@ -91,8 +91,8 @@ from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from remote_loader.client import TLS, RemoteLoader
+from remote_loader.server.config.spec import resolve
 from remote_loader.server.datasets import DEMO_CLASSES, DEMO_DATASET, DEMO_PER_CLASS, demo_folder
-from remote_loader.server.spec import resolve
 
 # The workloads (and benchmarks.processes) are imported as benchmarks.* here, in the local
 # DataLoader's workers and in the server's; benchmarks/ is not a package on any default path.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks.netns import Link
 from benchmarks.tlsfiles import TlsFiles
-from remote_loader.server.cli import spawn_serve
+from remote_loader.server.cli.main import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -102,7 +102,7 @@ def serve_at(place: Placement, flags: Sequence[str]) -> Served:
     if place.link is None:
         return Served(*start_server(flags))
     argv = [
-        sys.executable, "-m", "remote_loader.server.cli", "serve",
+        sys.executable, "-m", "remote_loader.server.cli.main", "serve",
         "--address", f"{place.host}:0", "--data-address", "auto", "--log-level", "INFO", *flags,
     ]  # fmt: skip
     with tempfile.NamedTemporaryFile(

@@ -23,7 +23,7 @@ share its cores with each other, the server and the trainer, and a second node a
 `--workload heavy` (a few ms of convolutions per sample, benchmarks/workloads.py) makes the
 nodes' CPU what bounds an epoch.
 `--through-server` sets ray_node_fetch = false: COPY lanes, every batch sent to the server on
-its actor's lane (NOTE [ Ray direct lane ] in server/ray_lane.py); `--through-store` sets
+its actor's lane (NOTE [ Ray direct lane ] in server/engine/ray/lane.py); `--through-store` sets
 ray_direct = false: the batches go through Ray's object store and the bridge. Nothing here uses
 an address outside these namespaces; `close` kills what runs in them and deletes them and the
 bridge, also on Ctrl-C.
@@ -293,7 +293,7 @@ ray_num_cpus = 1
     argv = [
         sys.executable,
         "-m",
-        "remote_loader.server.cli",
+        "remote_loader.server.cli.main",
         "serve",
         "--config",
         path,

@@ -13,8 +13,8 @@ each N in --nodes. On a small machine the simulated nodes share its cores, so mo
 Ray's overhead, not a speed-up: run it unchanged on a bigger box (or a real cluster) for that.
 
 Simulated nodes share this host, so their actors hand batches over in shared memory on direct
-lanes (NOTE [ Ray direct lane ] in server/ray_lane.py); --through-store sends them through Ray's
-object store instead. Actors whose memory the server cannot map (another host or container)
+lanes (NOTE [ Ray direct lane ] in server/engine/ray/lane.py); --through-store sends them through
+Ray's object store instead. Actors whose memory the server cannot map (another host or container)
 send their batches as bytes on their lanes; to measure that on one host, start a node in a PID
 namespace of its own and pass --ray-address (as root; RESULTS.md has the figures):
 

@@ -1,5 +1,5 @@
 """What an elastic resume to many ranks costs the server (NOTE [ Resharding cost ] in
-server/elastic.py): a Describe's answer time, and another trainer's first batch while a wide
+server/sharing/elastic.py): a Describe's answer time, and another trainer's first batch while a wide
 resharding Stream is admitted.
 
     python benchmarks/reshard.py [--ranks 65536] [--samples 1000]
@@ -23,7 +23,7 @@ import grpc
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.elastic import MAX_RESHARD_RANKS
+from remote_loader.server.sharing.elastic import MAX_RESHARD_RANKS
 
 # Run as a script, this file's folder is on sys.path, not the repository root that holds the
 # `benchmarks` package.

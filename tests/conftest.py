@@ -21,11 +21,11 @@ import torch
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.cli import spawn_serve
-from remote_loader.server.host import LoaderHost
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.cli.main import spawn_serve
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.sharing.host import LoaderHost
 from tests.unit_guard import pytest_runtest_protocol  # noqa: F401  (the `unit` mark's guard)
 
 ROOT = Path(__file__).resolve().parents[1]

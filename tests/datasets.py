@@ -285,7 +285,8 @@ class Sizes(Dataset[torch.Tensor]):
 
 
 def sharing_collate(samples: list[Any]) -> dict[str, Any]:
-    """default_collate, plus whether its tensor landed in shared memory (see server/worker.py)."""
+    """default_collate, plus whether its tensor landed in shared memory (see
+    server/worker/loop.py)."""
     batch = torch.utils.data.default_collate(samples)
     return {"batch": batch, "shared": batch.is_shared()}
 
@@ -385,7 +386,8 @@ class Gated(Sampler[int]):
 
 class Faults(Dataset[int]):
     """Each sample allocates, fills and frees a 1 MiB tensor 8 times and is the minor page faults
-    that took in the process that made it (NOTE [ Worker allocator ] in server/allocator.py)."""
+    that took in the process that made it (NOTE [ Worker allocator ] in
+    server/worker/allocator.py)."""
 
     def __init__(self, n: int = 8) -> None:
         self.n = n
@@ -478,7 +480,7 @@ class DrawnWhenBuilt(Dataset[dict[str, Any]]):
     """Draws, unseeded, a random permutation when it is built (as a random split or a shuffle
     seed is drawn) and records the epoch set_epoch gave it. Sample i: its index, the drawn
     `order[i]`, that epoch and the worker that made it. `lock`: unpicklable (NOTE [ One
-    dataset per loader ] in server/dataset_once.py)."""
+    dataset per loader ] in server/worker/dataset.py)."""
 
     def __init__(self, n: int = 24, lock: bool = False) -> None:
         self.order = np.random.default_rng().permutation(n)

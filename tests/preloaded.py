@@ -1,6 +1,7 @@
 """A dataset whose samples say which process imported its module and the main module: the
 server's fork server, when it preloaded them (NOTE [ Fork server preload ] in
-server/forkserver.py), or each worker itself. Imported by path ("tests.preloaded:WhereImported")."""
+server/engine/forkserver.py), or each worker itself. Imported by path
+("tests.preloaded:WhereImported")."""
 
 from __future__ import annotations
 

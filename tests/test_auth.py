@@ -25,9 +25,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from remote_loader.client import TLS, AuthenticationError, ConnectionLostError, RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.auth import ServerTLS
-from remote_loader.server.settings import resolve_settings
-from remote_loader.server.spec import ConfigError, LoaderSpec
+from remote_loader.server.api.auth import ServerTLS
+from remote_loader.server.api.settings import resolve_settings
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from tests.conftest import ServeLoaders, serve_process, stop_process, subprocess_env
 from tests.datasets import read_counts
 from tests.test_resume import CuttingProxy
@@ -78,7 +78,7 @@ def health_status(channel: grpc.Channel) -> int:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "remote_loader.server.cli", *args],
+        [sys.executable, "-m", "remote_loader.server.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=60,

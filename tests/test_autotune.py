@@ -1,6 +1,6 @@
 """num_workers = "auto": the tuner's decisions on their own (a fake clock and host), and a real
 pool growing while its workers cannot keep up and shrinking while its consumer is slow, its
-batches the same as a fixed pool's (NOTE [ Worker autotuning ] in server/autotune.py)."""
+batches the same as a fixed pool's (NOTE [ Worker autotuning ] in server/engine/autotune.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server import autotune
-from remote_loader.server.autotune import Decision, WorkerTuner
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
+from remote_loader.server.engine import autotune
+from remote_loader.server.engine.autotune import Decision, WorkerTuner
+from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.metrics import LoaderMetrics
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.spec import ConfigError, LoaderSpec
 from tests.conftest import ServeLoaders, wait_until
 
 

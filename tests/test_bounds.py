@@ -23,7 +23,7 @@ import time
 import pytest
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import Served, ServeLoaders, StartServer, subprocess_env, wait_until
 from tests.test_shm import rings
 

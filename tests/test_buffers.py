@@ -11,7 +11,7 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos.buffers import GRANULE, MIN_POOLED_BYTES, BufferPool
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
 from tests.test_shm import expected, sizes_spec
 
@@ -117,7 +117,7 @@ def test_a_collate_fn_that_keeps_its_batches_never_sees_them_written_over(
     serve_loaders: ServeLoaders,
 ) -> None:
     """Its first batch is stacked into a reused buffer, the others into their slots (NOTE
-    [ Collating into the slot ] in server/collating.py): neither is reused while kept."""
+    [ Collating into the slot ] in server/worker/collating.py): neither is reused while kept."""
     spec = LoaderSpec(
         name="keeping",
         dataset="tests.datasets:Blobs",

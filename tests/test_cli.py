@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import serve_command
-from remote_loader.server.demo import PlainProgress, progress_bars
+from remote_loader.server.cli.demo import PlainProgress, progress_bars
+from remote_loader.server.cli.main import serve_command
 from tests.conftest import serve_process, stop_process, subprocess_env
 
 SQUARES_FLAGS = (
@@ -82,7 +82,7 @@ def test_bad_import_path_fails_start(tmp_path: Path) -> None:
 def test_demo_runs_two_trainers_and_checks_every_sample() -> None:
     # No speed assert (it flaked on a loaded machine): the timeout only says it does not hang.
     result = subprocess.run(
-        [sys.executable, "-m", "remote_loader.server.cli", "demo", "--epochs", "1"],
+        [sys.executable, "-m", "remote_loader.server.cli.main", "demo", "--epochs", "1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -134,7 +134,7 @@ def test_plain_progress_shows_a_line_every_interval() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = subprocess_env()  # the configs name tests.datasets
     return subprocess.run(
-        [sys.executable, "-m", "remote_loader.server.cli", *args],
+        [sys.executable, "-m", "remote_loader.server.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -199,7 +199,7 @@ def test_check_config_shows_workers_and_pool_as_configured(tmp_path: Path) -> No
 # sys.modules makes the import raise ImportError (not a stub: the real import machinery).
 WITHOUT_RAY = (
     "import sys; sys.modules['ray'] = None; "
-    "from remote_loader.server.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from remote_loader.server.cli.main import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
@@ -237,7 +237,7 @@ def test_serve_on_a_port_in_use_says_so_in_its_own_words() -> None:
             [
                 sys.executable,
                 "-m",
-                "remote_loader.server.cli",
+                "remote_loader.server.cli.main",
                 "serve",
                 "--address",
                 f"127.0.0.1:{port}",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import StartServer
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import codec, decoding, loader_pb2
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders
 from tests.conftest import assert_same as assert_same_batches
 from tests.datasets import Pair, Pairs

@@ -1,5 +1,5 @@
-"""Collating into the slot (NOTE [ Collating into the slot ] in server/collating.py): from its
-second batch a worker stacks default_collate's tensors where the server will read them, and
+"""Collating into the slot (NOTE [ Collating into the slot ] in server/worker/collating.py):
+from its second batch a worker stacks default_collate's tensors where the server will read them, and
 encoding leaves them there (codec.Placed); whatever does not fit is copied as before."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch.utils.data import default_collate
 
 from remote_loader.protos import codec, encoding
 from remote_loader.protos import slots as slot_protocol
-from remote_loader.server import collating
-from remote_loader.server.collating import HEADER_ROOM, WorkerSlots
+from remote_loader.server.worker import collating
+from remote_loader.server.worker.collating import HEADER_ROOM, WorkerSlots
 from tests.conftest import assert_same
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py

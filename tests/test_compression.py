@@ -13,7 +13,7 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import codec, compression
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
 
 

@@ -1,10 +1,10 @@
 """One dataset per loader, its epoch hooks, and fresh workers that start warm.
 
 Every worker starts from the dataset the server built, once (NOTE [ One dataset per loader ]
-in server/dataset_once.py); each copy is told its epoch before the epoch's first sample, and an
+in server/worker/dataset.py); each copy is told its epoch before the epoch's first sample, and an
 IterDataPipe is seeded and sharded as torch's DataLoader does it (NOTE [ Epoch hooks ]); a new
 worker finds the dataset's modules and the main module imported by the fork server (NOTE
-[ Fork server preload ] in server/forkserver.py). Compared with torch's DataLoader over the
+[ Fork server preload ] in server/engine/forkserver.py). Compared with torch's DataLoader over the
 same pipeline, batch for batch, where torch defines the answer.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, subprocess_env
 from tests.datasets import EpochBatches, Squares, datapipe
 
@@ -101,7 +101,7 @@ def test_every_worker_starts_from_the_servers_dataset(
 def test_an_unpicklable_dataset_is_built_by_each_worker_with_one_warning(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="remote_loader.server.dataset_once")
+    caplog.set_level(logging.WARNING, logger="remote_loader.server.worker.dataset")
     spec = LoaderSpec(
         name="locked",
         dataset="tests.datasets:DrawnWhenBuilt",

@@ -32,7 +32,7 @@ from remote_loader.client.options import RankUnknown, membership
 from remote_loader.client.standins import ServerSideError
 from remote_loader.client.state import Cursor
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests import dropin_datasets
 from tests.conftest import ServeLoaders, StartServer
 from tests.datasets import Squares
@@ -411,7 +411,7 @@ def _by_torch(exc: Exception) -> Exception:
 
 
 def _frame_error(exc: Exception) -> pb.RemoteError:
-    """The error Frame's RemoteError a server sends for `exc` (server/worker.py)."""
+    """The error Frame's RemoteError a server sends for `exc` (server/worker/loop.py)."""
     wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WHERE)
     kind = type(exc)
     return pb.RemoteError(

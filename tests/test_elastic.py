@@ -1,6 +1,6 @@
 """Elastic resume: an epoch begun by a partition job of w ranks, finished by one of w' ranks,
 every batch of the epoch exactly once across both lives (NOTE [ Elastic resume ] in
-server/elastic.py), over real gRPC and a server restart."""
+server/sharing/elastic.py), over real gRPC and a server restart."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from remote_loader.client import RemoteLoader, RequestError
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
 
 EPOCH = 2

@@ -34,8 +34,8 @@ from remote_loader.client import errors as client_errors
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons, wire
 from remote_loader.server import errors as server_errors
-from remote_loader.server.service import _statuses
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.api.service import _statuses
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
@@ -275,7 +275,7 @@ def test_a_request_the_server_refuses(serve_loaders: ServeLoaders) -> None:
 
 def test_a_draining_server_and_a_wrong_token(serve_loaders: ServeLoaders) -> None:
     served = serve_loaders(SQUARES)
-    served.server.service.draining = True  # what SIGTERM sets (server/server.py)
+    served.server.service.draining = True  # what SIGTERM sets (server/api/server.py)
     with pytest.raises(ConnectionLostError) as info:
         RemoteLoader(served.address, "squares", retries=0)
     assert info.value.__cause__ is not None

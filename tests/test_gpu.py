@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import StartServer, assert_same
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,5 @@
 """Streams whose clients read nothing give their places to new streams at a full server, and
-keep them while it has room (NOTE [ Idle streams ] in server/admission.py), over real gRPC."""
+keep them while it has room (NOTE [ Idle streams ] in server/api/admission.py), over real gRPC."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from remote_loader.client import RemoteLoader, ServerError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.settings import ServerSettings, resolve_settings
-from remote_loader.server.spec import ConfigError, LoaderSpec
+from remote_loader.server.api.settings import ServerSettings, resolve_settings
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from tests.conftest import ServeLoaders, wait_until
 
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
@@ -76,7 +76,7 @@ def _served_when_admitted(address: str, loader: str, **options: Any) -> list[Any
 def _end_lines(caplog: pytest.LogCaptureFixture) -> Iterator[dict[str, str]]:
     for record in caplog.records:
         message = record.getMessage()
-        if record.name == "remote_loader.server.service" and message.startswith("stream end "):
+        if record.name == "remote_loader.server.api.service" and message.startswith("stream end "):
             yield {
                 k: v.strip('"') for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', message)
             }
@@ -90,7 +90,7 @@ def _aborted(caplog: pytest.LogCaptureFixture) -> list[dict[str, str]]:
 def test_streams_that_read_nothing_give_their_places_to_a_trainer(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
     served = serve_loaders(BLOBS, SMALL, max_streams=4, idle_stream_timeout=1.0)
     # Twice max_streams raw clients: four hold every place (on a busy machine, a late one may
     # already take the place of one that has been stuck for a second), the others are refused.
@@ -147,7 +147,7 @@ def test_a_paused_trainer_keeps_its_stream_while_the_server_has_room(
 def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: str
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
     blobs = dataclasses.replace(BLOBS, dataset_kwargs={"n": 64, "nbytes": 1 << 20})
     served = serve_loaders(blobs, SMALL, max_streams=1, idle_stream_timeout=1.0)
     with RemoteLoader(served.address, "blobs", device="cpu", transport=transport) as paused:

@@ -18,7 +18,7 @@ import pytest
 from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, StartServer
 from tests.test_sharing import (
     broadcast_spec,

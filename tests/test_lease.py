@@ -1,4 +1,5 @@
-"""SlotLease (server/lease.py): a slot goes back once, after its owner and every reader are done.
+"""SlotLease (server/batch/lease.py): a slot goes back once, after its owner and every reader
+are done.
 
 The whole path, worker to client and back, runs in tests/test_zero_copy.py; here the lease's own
 rules, with a give-back that counts.
@@ -13,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
-from remote_loader.server.engine import Delivery
-from remote_loader.server.lanes import Entry
-from remote_loader.server.lease import SlotLease
+from remote_loader.server.batch.delivery import Delivery
+from remote_loader.server.batch.lease import SlotLease
+from remote_loader.server.sharing.lanes import Entry
 
 pytestmark = pytest.mark.unit
 

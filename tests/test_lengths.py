@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.cli import serve_command
-from remote_loader.server.host import LoaderHost
-from remote_loader.server.spec import ConfigError, LoaderSpec
+from remote_loader.server.cli.main import serve_command
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
+from remote_loader.server.sharing.host import LoaderHost
 from tests.conftest import StartServer, subprocess_env
 
 BROKEN_LEN = (
@@ -34,7 +34,7 @@ def _config(tmp_path: Path, body: str) -> str:
 
 def test_check_config_reports_the_exception_of_a_broken_len(tmp_path: Path) -> None:
     config = _config(tmp_path, 'dataset = "tests.lengths:BrokenLen"')
-    result = _run(sys.executable, "-m", "remote_loader.server.cli", "check-config", config)
+    result = _run(sys.executable, "-m", "remote_loader.server.cli.main", "check-config", config)
     assert result.returncode == 2, result.stdout
     assert f"loader 'a': {BROKEN_LEN}" in result.stderr
     assert "IterableDataset" not in result.stdout + result.stderr
@@ -61,7 +61,11 @@ def test_map_style_without_len_is_not_called_iterable(
 ) -> None:
     body = 'dataset = "tests.lengths:NoLen"\nsampler = "tests.lengths:FirstTen"'
     result = _run(
-        sys.executable, "-m", "remote_loader.server.cli", "check-config", _config(tmp_path, body)
+        sys.executable,
+        "-m",
+        "remote_loader.server.cli.main",
+        "check-config",
+        _config(tmp_path, body),
     )
     assert result.returncode == 0, result.stderr
     assert "a: tests.lengths:NoLen, map dataset, batch_size 1, length unknown (map-style, but " in (

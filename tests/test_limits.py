@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_loader.client import RemoteLoader, RequestError, ServerBusyError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.membership import MAX_WORLD_SIZE
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.sharing.membership import MAX_WORLD_SIZE
 from tests.conftest import ROOT, ServeLoaders
 from tests.datasets import read_counts
 
@@ -115,7 +115,7 @@ def test_a_second_server_on_the_same_port_fails_clearly(serve_loaders: ServeLoad
         [
             sys.executable,
             "-m",
-            "remote_loader.server.cli",
+            "remote_loader.server.cli.main",
             "serve",
             "--dataset",
             "tests.datasets:Squares",
@@ -146,7 +146,7 @@ def _lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[st
         lines = [
             r.getMessage()
             for r in caplog.records
-            if r.name == "remote_loader.server.service" and r.getMessage().startswith(prefix)
+            if r.name == "remote_loader.server.api.service" and r.getMessage().startswith(prefix)
         ]
         if len(lines) >= count or time.monotonic() > deadline:
             return lines
@@ -160,7 +160,7 @@ def _fields(line: str) -> dict[str, str]:
 def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
     broken = LoaderSpec(
         name="broken",
         dataset="tests.datasets:Squares",

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.worker import DEFAULT_MAX_BATCH_BYTES
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.pool import WorkerPool
 from tests.conftest import Served, serve_process, stop_process, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -21,10 +21,10 @@ import pytest
 
 from benchmarks.netns import Link
 from remote_loader.client import RemoteLoader
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.pool import WorkerPool
 from tests.conftest import wait_until
 from tests.test_pool_contract import kill_a_worker
 from tests.test_ray import ContainedCluster
@@ -198,7 +198,7 @@ print(json.dumps({"got": got, "reconnects": stats.reconnects, "node_bytes": stat
 def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     servers: tuple[Server, Server], link: Link
 ) -> None:
-    """NOTE [ Node lost ] in server/remote.py: a trainer that cannot reach the node gets every
+    """NOTE [ Node lost ] in server/batch/remote.py: a trainer that cannot reach the node gets every
     batch from the server, which fetches each when it sends it; those made ahead wait on their
     node, and are made again by another actor when theirs is lost."""
     server, _ = servers

@@ -18,10 +18,10 @@ import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.collating import collate_tensors
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec, resolve
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.config.spec import LoaderSpec, resolve
+from remote_loader.server.worker.collating import collate_tensors
 from tests.conftest import ServeLoaders, assert_same
 
 SEED = 1234

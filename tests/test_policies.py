@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 
-from remote_loader.server.engine import Delivery, Engine
+from remote_loader.server.batch.delivery import Delivery
+from remote_loader.server.batch.lease import SlotLease
+from remote_loader.server.config.sampling import EpochPlan, share
+from remote_loader.server.config.spec import SHARING_MODES, LoaderSpec
+from remote_loader.server.engine.seam import Engine
 from remote_loader.server.errors import SharingError
-from remote_loader.server.lanes import BroadcastLane, Lane, QueueLane
-from remote_loader.server.lease import SlotLease
-from remote_loader.server.membership import Membership
-from remote_loader.server.policies import (
+from remote_loader.server.sharing.lanes import BroadcastLane, Lane, QueueLane
+from remote_loader.server.sharing.membership import Membership
+from remote_loader.server.sharing.policies import (
     POLICIES,
     Broadcast,
     Dynamic,
@@ -27,9 +30,7 @@ from remote_loader.server.policies import (
     admit,
     policy_for,
 )
-from remote_loader.server.run import Consumer, Run, RunKey
-from remote_loader.server.sampling import EpochPlan, share
-from remote_loader.server.spec import SHARING_MODES, LoaderSpec
+from remote_loader.server.sharing.run import Consumer, Run, RunKey
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

@@ -2,7 +2,7 @@
 sample given up after MAX_TASK_ATTEMPTS, a stuck batch timed out at its position, a worker death
 costing nothing.
 
-Both backends run on one pool core (server/pool.py): these tests hold every backend to what
+Both backends run on one pool core (server/engine/pool.py): these tests hold every backend to what
 the core promises, with the real thing behind it (worker processes; Ray actors on a cluster of
 two nodes on 127.0.0.1, their batches in shared memory on direct lanes, "ray"; a node in a PID
 namespace of its own, as in a container, whose actors keep their batches on their node for
@@ -24,11 +24,11 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from remote_loader.client import DatasetError, RemoteLoader
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
-from remote_loader.server.supervision import MAX_TASK_ATTEMPTS
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.ledger import MAX_TASK_ATTEMPTS
+from remote_loader.server.engine.pool import WorkerPool
 from tests.conftest import assert_same
 from tests.test_parity import CASES, SEED, local_batches
 from tests.test_ray import LOOPBACK, ContainedCluster, host_pid, start_cluster
@@ -179,7 +179,7 @@ def test_a_sample_that_kills_its_worker_is_given_up_and_the_epoch_goes_on(served
     # A replacement per death, each charged to the poison sample: a lane's results are in the
     # kernel's socket buffer before the next task starts, so the first unanswered task is the
     # one the actor was making (through Ray's object store a death may cost one more: NOTE
-    # on which task a death costs, in server/ray_bridge.py).
+    # on which task a death costs, in server/engine/ray/bridge.py).
     assert persistent_pool(served, "crash").restarts - restarts_before == MAX_TASK_ATTEMPTS
 
 

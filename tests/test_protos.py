@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard
 
 
 def test_committed_stubs_are_fresh() -> None:
-    stale = generate.stale_outputs(ROOT / "protos")
+    stale = generate.stale_outputs(ROOT / "src" / "remote_loader" / "protos")
     assert not stale, (
         f"{stale} differ from loader.proto; regenerate with `python protos/generate.py`"
     )
@@ -22,7 +22,7 @@ def test_committed_stubs_are_fresh() -> None:
 
 def test_a_changed_proto_is_detected(tmp_path: Path) -> None:
     for name in ("loader.proto", *generate.OUTPUTS):
-        shutil.copy(ROOT / "protos" / name, tmp_path / name)
+        shutil.copy(ROOT / "src" / "remote_loader" / "protos" / name, tmp_path / name)
     proto = tmp_path / "loader.proto"
     proto.write_text(
         proto.read_text().replace("uint64 epoch = 2;", "uint64 epoch = 2;\n  uint64 extra = 99;")

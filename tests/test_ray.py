@@ -25,10 +25,10 @@ from ray.cluster_utils import Cluster
 from remote_loader.client import DatasetError, RemoteLoader, RemoteLoaderError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server import autotune
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings, resolve_settings
-from remote_loader.server.spec import ConfigError, LoaderSpec, read_config
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings, resolve_settings
+from remote_loader.server.config.spec import ConfigError, LoaderSpec, read_config
+from remote_loader.server.engine import autotune
 from tests.conftest import assert_same, wait_until
 from tests.test_parity import CASES, SEED, local_batches
 
@@ -68,7 +68,7 @@ class ContainedCluster:
     """A head and one worker node started with `ray start --block`, each in a PID namespace of
     its own, as in containers: their processes' pids are not this host's, so this process
     cannot map an actor's memory through /proc and its lanes are COPY lanes (NOTE [ Ray direct
-    lane ] in server/ray_lane.py). On 127.0.0.2 (tests/test_readme.py says why). Stopped by
+    lane ] in server/engine/ray/lane.py). On 127.0.0.2 (tests/test_readme.py says why). Stopped by
     SIGKILL to each `unshare`, whose --kill-child takes its namespace down with it."""
 
     HOST = "127.0.0.2"

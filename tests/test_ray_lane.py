@@ -1,6 +1,6 @@
-"""A Ray actor's direct lane (NOTE [ Ray direct lane ] in server/ray_lane.py): only a peer that
-knows the pool's secret gets one, a SLOTS lane when this process maps its memory, else a COPY
-lane; anyone else is refused at once, without unpickling a byte of theirs, and the listener
+"""A Ray actor's direct lane (NOTE [ Ray direct lane ] in server/engine/ray/lane.py): only a
+peer that knows the pool's secret gets one, a SLOTS lane when this process maps its memory, else a
+COPY lane; anyone else is refused at once, without unpickling a byte of theirs, and the listener
 goes on. Over the Unix listener, and over TCP for a peer that cannot reach it.
 
 With real sockets and shared memory, no Ray: the actors' side is `attach`, as a RayWorker
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from remote_loader.server.ray_lane import (
+from remote_loader.server.engine.ray.lane import (
     HELLO_TIMEOUT,
     Lanes,
     Probe,

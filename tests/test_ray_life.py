@@ -22,13 +22,13 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from remote_loader.client import RemoteLoader, RemoteLoaderError
-from remote_loader.server import kept as kept_pools
-from remote_loader.server.demo import serve_command
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.ray_connect import CONNECT_TIMEOUT, GCS_PROBE_METHOD
-from remote_loader.server.server import Server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import ConfigError, LoaderSpec, resolve, spec_from_table
+from remote_loader.server.api.server import Server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.cli.demo import serve_command
+from remote_loader.server.config.spec import ConfigError, LoaderSpec, resolve, spec_from_table
+from remote_loader.server.engine import kept as kept_pools
+from remote_loader.server.engine.pool import WorkerPool
+from remote_loader.server.engine.ray.connect import CONNECT_TIMEOUT, GCS_PROBE_METHOD
 from tests.conftest import (
     assert_same,
     process_alive,
@@ -398,7 +398,7 @@ def test_a_pool_without_persistent_workers_is_kept_for_the_next_epoch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Without persistent_workers each epoch started a new Ray pool: a bridge, its connection
-    # and new actors, seconds each (NOTE [ Ray pool reuse ] in server/pool_ray.py).
+    # and new actors, seconds each (NOTE [ Ray pool reuse ] in server/engine/ray/backend.py).
     monkeypatch.setattr(kept_pools, "KEEP_IDLE_POOL", 3.0)
     cluster = start_cluster(1)
     probe = ray_spec(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader.protos import compression
-from remote_loader.server.backends import RAY_INSTALL
+from remote_loader.server.engine.backends import RAY_INSTALL
 from tests.conftest import ROOT, subprocess_env
 
 README = (ROOT / "README.md").read_text()
@@ -91,7 +91,7 @@ def _extra(name: str) -> list[str]:
 def test_install_commands_work_from_a_clone() -> None:
     # The project is installed from its repository: no package index has "remote-loader".
     printed = [ROOT / "README.md"]
-    for folder in ("server", "client", "protos", "examples", "docker"):
+    for folder in ("src", "examples", "docker"):
         printed.extend(p for p in (ROOT / folder).rglob("*") if p.is_file())
     for path in printed:
         if path.suffix in (".py", ".md", ".toml", ".yml", "") or path.name == "Dockerfile":

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from remote_loader.server.reorder import Reorderer
+from remote_loader.server.sharing.reorder import Reorderer
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

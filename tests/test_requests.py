@@ -24,22 +24,22 @@ from hypothesis import strategies as st
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import shm, shm_probe, wire
-from remote_loader.server.elastic import (
-    MAX_RESHARD_RANKS,
-    Reshard,
-    ReshardError,
-    resharded_length,
-    resharded_plan,
-)
-from remote_loader.server.errors import ECHO_LIMIT
-from remote_loader.server.sampling import (
+from remote_loader.server.config.sampling import (
     build_dataloader,
     deal,
     epoch_length,
     plan_epoch,
     share,
 )
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.errors import ECHO_LIMIT
+from remote_loader.server.sharing.elastic import (
+    MAX_RESHARD_RANKS,
+    Reshard,
+    ReshardError,
+    resharded_length,
+    resharded_plan,
+)
 from tests import datasets
 from tests.conftest import ServeLoaders, subprocess_env
 

@@ -18,7 +18,7 @@ import pytest
 from remote_loader.client import RemoteLoader, RequestError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import StartServer, assert_same, serve_process, stop_process
 from tests.datasets import read_counts
 

@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 
-from remote_loader.server.engine import Delivery, Engine, Outcome
+from remote_loader.server.batch.delivery import Delivery, Outcome
+from remote_loader.server.batch.lease import SlotLease
+from remote_loader.server.config.sampling import EpochPlan, share
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.seam import Engine
 from remote_loader.server.errors import ClosingError, DetachedError
-from remote_loader.server.lanes import MIN_LANE_WINDOW
-from remote_loader.server.lease import SlotLease
-from remote_loader.server.membership import Membership
-from remote_loader.server.run import Consumer
-from remote_loader.server.sampling import EpochPlan, share
-from remote_loader.server.sharing import Runs
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW
+from remote_loader.server.sharing.membership import Membership
+from remote_loader.server.sharing.run import Consumer
+from remote_loader.server.sharing.runs import Runs
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

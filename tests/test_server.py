@@ -54,10 +54,10 @@ def test_bad_loader_lists_are_refused(loaders: list[LoaderSpec], message: str) -
 
 
 def test_the_package_loads_grpc_only_when_the_server_is_asked_for() -> None:
-    # Workers import remote_loader.server.worker in the fork server, which must stay free of
+    # Workers import remote_loader.server.worker.loop in the fork server, which must stay free of
     # gRPC (forking a process that runs gRPC is unsafe); `Server` is imported on first use.
     code = (
-        "import sys, remote_loader.server.worker as w, remote_loader.server as s;"
+        "import sys, remote_loader.server.worker.loop as w, remote_loader.server as s;"
         "print('grpc' in sys.modules);"
         "s.Server;"
         "print('grpc' in sys.modules)"
@@ -69,8 +69,8 @@ def test_the_package_loads_grpc_only_when_the_server_is_asked_for() -> None:
 
 
 def test_the_send_stage_imports_nothing_of_the_sharing_stage() -> None:
-    # Issue 28: the transports take an Outgoing (server/outgoing.py), which the sharing stage's
-    # Entry adapts itself to; were they to import lanes, run or policies, those would import
+    # Issue 28: the transports take an Outgoing (server/batch/outgoing.py), which the sharing
+    # stage's Entry adapts itself to; were they to import lanes, run or policies, those would import
     # the transports back one day and close a circle.
     code = (
         "import sys, remote_loader.server.transports;"

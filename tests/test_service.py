@@ -19,8 +19,8 @@ from remote_loader.client import (
 )
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.pool_local import WORKER_JOIN_TIMEOUT
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.local import WORKER_JOIN_TIMEOUT
 from tests.conftest import ServeLoaders, StartServer, process_alive, raw_stream, wait_until
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.settings import ServerSettings, resolve_settings
-from remote_loader.server.spec import ConfigError, read_config
+from remote_loader.server.api.settings import ServerSettings, resolve_settings
+from remote_loader.server.config.spec import ConfigError, read_config
 from tests.conftest import subprocess_env
 
 LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
@@ -31,7 +31,7 @@ def test_precedence_flag_then_environment_then_file_then_default() -> None:
 
 @pytest.mark.unit
 def test_metrics_address_and_max_batch_bytes() -> None:
-    from remote_loader.server.cli import DEFAULTS, _parser
+    from remote_loader.server.cli.main import DEFAULTS, _parser
 
     defaults = ServerSettings()
     assert (defaults.metrics_address, defaults.max_batch_bytes) == ("", 2 << 30)  # off, 2 GiB
@@ -110,7 +110,7 @@ def test_config_file_tables(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "remote_loader.server.cli", *args],
+        [sys.executable, "-m", "remote_loader.server.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -136,7 +136,7 @@ def test_serve_listens_where_the_server_table_says(tmp_path: Path) -> None:
     path.write_text('[server]\naddress = "127.0.0.1:0"\n\n' + LOADER)
     env = subprocess_env()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "remote_loader.server.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "remote_loader.server.cli.main", "serve", "--config", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -179,7 +179,7 @@ def test_new_settings_precedence() -> None:
 
 @pytest.mark.unit
 def test_serve_flags_reach_the_settings() -> None:
-    from remote_loader.server.cli import DEFAULTS, _parser
+    from remote_loader.server.cli.main import DEFAULTS, _parser
 
     args = _parser().parse_args(
         ["serve", "--reflection", "--max-request-bytes", "4096", "--tls-cert", "c.pem"]
@@ -278,7 +278,7 @@ def test_check_config_shows_the_new_settings_but_not_the_token(tmp_path: Path) -
 
 @pytest.mark.unit
 def test_max_ring_bytes_from_file_environment_and_flag() -> None:
-    from remote_loader.server.cli import DEFAULTS, _parser
+    from remote_loader.server.cli.main import DEFAULTS, _parser
 
     assert ServerSettings().max_ring_bytes == 256 << 20
     table = {"max_ring_bytes": 1 << 20}
@@ -292,7 +292,7 @@ def test_max_ring_bytes_from_file_environment_and_flag() -> None:
 
 @pytest.mark.unit
 def test_data_address_from_file_environment_and_flag() -> None:
-    from remote_loader.server.cli import DEFAULTS, _parser
+    from remote_loader.server.cli.main import DEFAULTS, _parser
 
     assert ServerSettings().data_address == "auto"
     table = {"data_address": "0.0.0.0:50052"}

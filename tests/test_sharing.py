@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from remote_loader.client import ConnectionLostError, RemoteLoader
-from remote_loader.server.sampling import share, share_size
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.sampling import share, share_size
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ROOT, StartServer
 from tests.datasets import Squares, read_counts
 

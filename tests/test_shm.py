@@ -26,7 +26,7 @@ import torch
 from remote_loader.client import RemoteLoader, assembly
 from remote_loader.protos import doorbell, shm, shm_probe, tcp
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import (
     ServeLoaders,
     assert_same,

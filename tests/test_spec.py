@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-from remote_loader.server.host import LoaderHost
-from remote_loader.server.spec import (
+from remote_loader.server.config.flags import add_spec_arguments, spec_from_args
+from remote_loader.server.config.spec import (
     ConfigError,
     LoaderSpec,
     load_config,
     resolve,
 )
-from remote_loader.server.spec_flags import add_spec_arguments, spec_from_args
+from remote_loader.server.sharing.host import LoaderHost
 from tests import datasets
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py

@@ -1,4 +1,4 @@
-"""LoaderSpec.parts (server/spec_parts.py): the spec as each stage reads it, every value
+"""LoaderSpec.parts (server/config/parts.py): the spec as each stage reads it, every value
 resolved to the type it holds after construction; TOML, flags and fingerprint unchanged."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from remote_loader.server.spec import LoaderSpec, spec_from_table
+from remote_loader.server.config.spec import LoaderSpec, spec_from_table
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Failures: dead workers under load, vanished clients, a killed or stopped server.
 
-Every test here is bounded well under 30 s; see NOTE [ Worker Failures ] in server/supervision.py.
+Every test here is bounded well under 30 s; see NOTE [ Worker Failures ] in server/engine/ledger.py.
 What every pool backend promises (a poison sample given up, a stuck batch timed out, a death
 costing nothing) runs for the local and the Ray pool in tests/test_pool_contract.py.
 """
@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.engine.pool import WorkerPool
 from tests.conftest import (
     Served,
     ServeLoaders,

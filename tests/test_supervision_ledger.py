@@ -1,13 +1,13 @@
 """The supervision rules every pool backend shares, as bookkeeping alone (no processes): see
-NOTE [ Worker Failures ] in server/supervision.py. tests/test_supervision.py kills real workers.
+NOTE [ Worker Failures ] in server/engine/ledger.py. tests/test_supervision.py kills real workers.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from remote_loader.server.engine import WorkerDiedError
-from remote_loader.server.supervision import MAX_TASK_ATTEMPTS, TaskLedger
+from remote_loader.server.engine.ledger import MAX_TASK_ATTEMPTS, TaskLedger
+from remote_loader.server.engine.seam import WorkerDiedError
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

@@ -21,7 +21,7 @@ import torch
 from remote_loader.client import RemoteLoader, TransportError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
-from remote_loader.server.server import resolve_data_address
+from remote_loader.server.api.server import resolve_data_address
 from tests.conftest import (
     ROOT,
     ServeLoaders,

@@ -21,12 +21,13 @@ from torch.utils.data import DataLoader
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
-from remote_loader.server.engine import WorkerDiedError
-from remote_loader.server.pool import WorkerPool
-from remote_loader.server.pool_backend import Event, Short
-from remote_loader.server.sampling import Batching
-from remote_loader.server.spec import LoaderSpec, resolve
-from remote_loader.server.worker import EpochStart, RemoteError, Result, Task
+from remote_loader.server.batch.messages import EpochStart, Result, Task
+from remote_loader.server.config.sampling import Batching
+from remote_loader.server.config.spec import LoaderSpec, resolve
+from remote_loader.server.engine.backend import Event, Short
+from remote_loader.server.engine.pool import WorkerPool
+from remote_loader.server.engine.seam import WorkerDiedError
+from remote_loader.server.errors import RemoteError
 from tests import datasets
 from tests.conftest import ServeLoaders, assert_same, raw_stream
 from tests.test_parity import SEED, local_batches

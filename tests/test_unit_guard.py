@@ -16,7 +16,7 @@ import subprocess
 import grpc
 import pytest
 
-from remote_loader.server import server as server_module
+from remote_loader.server.api import server as server_module
 
 pytest_plugins = ["pytester"]
 
@@ -30,9 +30,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from remote_loader.server.server import Server, create_server
-from remote_loader.server.settings import ServerSettings
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.api.server import Server, create_server
+from remote_loader.server.api.settings import ServerSettings
+from remote_loader.server.config.spec import LoaderSpec
 
 SPEC = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=2)
 SETTINGS = ServerSettings(address="127.0.0.1:0")
@@ -142,9 +142,7 @@ def test_an_unmarked_test_is_left_alone(pytester: pytest.Pytester) -> None:
         import os
         import subprocess
         import grpc
-        from remote_loader.server import server
-
-
+        from remote_loader.server.api import server
         def test_nothing_is_replaced():
             for owner, name in [(server.Server, "__init__"), (server, "create_server"),
                                 (grpc, "server"), (subprocess.Popen, "__init__"), (os, "fork")]:

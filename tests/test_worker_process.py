@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, serve_process, stop_process
 
 

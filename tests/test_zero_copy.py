@@ -24,7 +24,7 @@ import torch
 from remote_loader.client import RemoteLoader
 from remote_loader.client.errors import ConnectionLostError, DatasetError
 from remote_loader.protos import shm, slots
-from remote_loader.server.spec import LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.transports.shm import ShmSender
 from tests.conftest import ServeLoaders, assert_same, subprocess_env
 from tests.test_sharing import run_concurrently

@@ -3,7 +3,7 @@ Ray, so `python -m pytest -m unit` stays a loop of seconds. While such a test ru
 fixtures of any scope included, its call and its teardown), every way the project starts one
 raises instead of starting it:
 
-- `remote_loader.server.server.Server(...)` and `create_server(...)`, and `grpc.server(...)`
+- `remote_loader.server.api.server.Server(...)` and `create_server(...)`, and `grpc.server(...)`
   beneath them (any gRPC server, a test's own included);
 - `multiprocessing` processes (`BaseProcess.start`: torch's DataLoader workers, the local pool,
   `ProcessPoolExecutor`), `subprocess.Popen` (`remote-loader serve`, Ray's own processes) and
@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import pytest
 
-from remote_loader.server import server as server_module
+from remote_loader.server.api import server as server_module
 
 MESSAGE = "a unit test must not start {what}; drop its `unit` mark (pytest.mark.unit)"
 

@@ -1,0 +1,4 @@
+"""The gRPC face: the Server as a whole (ports, start, drain), the Loader service, its settings,
+request validation, stream admission and authentication, and how a failed call ends on the
+wire. Imports the sharing stage and everything below it, never the command line.
+"""

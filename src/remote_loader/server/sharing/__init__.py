@@ -1,0 +1,5 @@
+"""The sharing stage: a hosted loader (`host`), the Runs that produce its epochs (`runs`,
+`run`), how a Run's consumers divide them (`policies`, `lanes`, `membership`, `elastic`) and
+the reorder buffer. Imports the engine, the batch vocabulary, config and the leaves; reaches
+the gRPC stage only through callbacks it is handed.
+"""
