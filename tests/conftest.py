@@ -181,6 +181,17 @@ class RayFiles:
 RAY_FILES = pytest.StashKey[RayFiles]()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `-m unit` on the command line replaces pyproject's `-m 'not gpu'`: a test that needs CUDA
+    # runs only where the marker expression names gpu (`pytest -m gpu`), never in the fast loop.
+    if "gpu" in (config.option.markexpr or ""):
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     examples = config.getoption("--conformance-examples")
     if examples is not None:

@@ -354,7 +354,9 @@ def test_a_large_copy_is_striped_over_threads_byte_for_byte(copy_threads: None) 
     dst = np.zeros_like(src)
     assembly.copy_in(dst, src)
     assert bytes(dst) == bytes(src)  # three stripes of uneven sizes
-    assert len(copiers()) == 2  # and this thread
+    # The pool's threads and this one: ThreadPoolExecutor starts its second thread only when the
+    # first is still busy at the second stripe's submit, which a loaded machine may not see.
+    assert 1 <= len(copiers()) <= 2
     small = np.zeros(tcp.MIN_STRIPE, dtype=np.uint8)
     assembly.copy_in(small, src[: tcp.MIN_STRIPE])  # under two stripes' worth: one plain copy
     assert bytes(small) == bytes(src[: tcp.MIN_STRIPE])

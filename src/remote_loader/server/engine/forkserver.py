@@ -111,8 +111,14 @@ def start_fork_server(
         main = {}
     ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, PRELOADER])
     # Read by the fork server when it starts (it inherits this environment); taken out after,
-    # so that no other child sees it.
-    os.environ[PRELOAD_ENV] = json.dumps({"main": main, "modules": names})
+    # so that no other child sees it. The server's sys.path with it: the fork server runs as
+    # `python -c`, whose sys.path starts with the working directory, and Python's forkserver
+    # main() does not apply the sys_path it is handed (3.11), so a `tests/` or `mydata/` beside
+    # where the server was started would shadow the module the server imported, in the fork
+    # server and in every worker and Ray bridge forked from it.
+    os.environ[PRELOAD_ENV] = json.dumps(
+        {"main": main, "modules": names, "sys_path": prepare["sys_path"]}
+    )
     try:
         forkserver.ensure_running()
     finally:

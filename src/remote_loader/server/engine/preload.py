@@ -10,6 +10,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import sys
 from multiprocessing import spawn
 
 from remote_loader.server.engine.forkserver import PRELOAD_ENV
@@ -21,6 +22,7 @@ def _preload() -> None:
     if text is None:
         return
     wanted = json.loads(text)
+    sys.path[:] = wanted["sys_path"]  # the server's, not `python -c`'s working directory first
     if wanted["main"]:
         # As multiprocessing prepares a child's main module (and as its own preload of
         # "__main__" does): a script without its `__main__` guard fails here as it would there

@@ -134,7 +134,7 @@ def _unshared(spec: LoaderSpec, dataset: Any, exc: Exception) -> SharedDataset:
 #
 # What a training framework does to the dataset before each epoch, locally, is done to every
 # worker's copy before the epoch's first sample (`begin_dataset_epoch`, from WorkerState in
-# server/worker_state.py, and from InlineEngine for num_workers = 0), every epoch, persistent
+# server/worker/loop.py, and from InlineEngine for num_workers = 0), every epoch, persistent
 # workers included:
 #   - `dataset.set_epoch(epoch)` when the dataset has it (Hugging Face IterableDataset,
 #     WebDataset, torchdata), with the loader's epoch: the one the stream asked for (the
