@@ -245,7 +245,8 @@ def test_the_architecture_tree_is_the_package_as_it_lies() -> None:
     lines = tree.splitlines()[1:-1]
     assert lines[0].startswith("src/remote_loader/")
     stack: list[str] = []
-    folders, files = set(), set()
+    folders: set[str] = set()
+    files: set[str] = set()
     for line in lines[1:]:
         marker = line.find("── ")
         if marker == -1:
