@@ -7,7 +7,7 @@ Life 1: `torchrun --nproc-per-node 3` runs this file as ranks; each takes --step
 epoch 0 and saves its loader's state with its (pretend) checkpoint, then the job goes away, as
 a job does when a node is lost. Life 2: `torchrun --nproc-per-node 2` on what is left; each
 rank loads rank 0's saved state (DDP ranks are in step, so any rank's says it all) and reads the
-rest of the epoch. The server deals what the 3 ranks had not consumed out to the 2 (README:
+rest of the epoch. The server deals what the 3 ranks had not consumed out to the 2 (docs/resume.md,
 "On another number of ranks"). At the end the samples of both lives are counted.
 """
 

@@ -1,6 +1,7 @@
-"""What README.md tells a user to run works as written: the "Serving from Python" example as a
-saved script (and, without its `__main__` guard, an error that names the guard), and install
-commands that work from a clone of the repository."""
+"""What README.md and docs/ tell a user to run works as written: the README's two commands at
+the top, the "Serving from Python" example of docs/serving.md as a saved script (and, without
+its `__main__` guard, an error that names the guard), the one-machine Ray recipe of docs/ray.md,
+and install commands that work from a clone of the repository."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from remote_loader.server.engine.backends import RAY_INSTALL
 from tests.conftest import ROOT, subprocess_env
 
 README = (ROOT / "README.md").read_text()
+SERVING = ROOT / "docs" / "serving.md"
+RAY = ROOT / "docs" / "ray.md"
 GUARD = 'if __name__ == "__main__":'
 # Within the marks' timeout, so a hung script fails with its output rather than pytest's.
 RUN_TIMEOUT = 150
 
 
-def _python_example(heading: str) -> str:
-    """The first ```python block after `heading` in the README."""
-    section = README[README.index(heading) :]
+def _python_example(heading: str, page: Path = SERVING) -> str:
+    """The first ```python block after `heading` in `page`."""
+    text = page.read_text()
+    section = text[text.index(heading) :]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match is not None, f"no python block after {heading!r}"
     return match.group(1)
@@ -56,7 +60,7 @@ def _run_script(path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(180)
 def test_serving_from_python_example_runs_as_a_script(tmp_path: Path) -> None:
     script = tmp_path / "serve_images.py"
-    script.write_text(_python_example("### Serving from Python"))
+    script.write_text(_python_example("## Serving from Python"))
     result = _run_script(script)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"^512 images in one epoch from <Server images on port \d+>$", result.stdout)
@@ -64,7 +68,7 @@ def test_serving_from_python_example_runs_as_a_script(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_serving_from_python_without_the_guard_names_the_guard(tmp_path: Path) -> None:
-    code = _python_example("### Serving from Python")
+    code = _python_example("## Serving from Python")
     guarded = re.search(rf"^{re.escape(GUARD)}.*\n    main\(\)\n", code, re.M)
     assert guarded is not None, code
     script = tmp_path / "unguarded.py"
@@ -87,11 +91,39 @@ def _extra(name: str) -> list[str]:
     return extras[name]
 
 
+TOP_COMMANDS = [
+    "python3.11 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0"
+    " && pip install . && remote-loader demo",
+    "python3.11 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0"
+    ' && pip install ".[test]" && python -m pytest',
+]
+
+
+@pytest.mark.unit
+def test_the_readme_opens_with_the_two_commands() -> None:
+    # A newcomer's first two commands, before any section: the demo, then the tests. They are
+    # what a fresh machine with Python 3.11 runs, so they may only change on purpose (here).
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S)
+    assert first_block is not None
+    assert first_block.start() < README.index("\n## "), "the commands come before any section"
+    commands = [
+        line for line in first_block.group(1).splitlines() if line and not line.startswith("#")
+    ]
+    assert commands == TOP_COMMANDS, commands
+    # CI installs the same torch and runs the same tests; the extra and the command exist.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -q torch==2.13.0" in ci and 'pip install -q ".[test]"' in ci, ci
+    assert "\npython -m pytest\n" in ci, ci
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        project = tomllib.load(f)["project"]
+    assert "remote-loader" in project["scripts"] and "test" in project["optional-dependencies"]
+
+
 @pytest.mark.unit
 def test_install_commands_work_from_a_clone() -> None:
     # The project is installed from its repository: no package index has "remote-loader".
     printed = [ROOT / "README.md"]
-    for folder in ("src", "examples", "docker"):
+    for folder in ("docs", "src", "examples", "docker"):
         printed.extend(p for p in (ROOT / folder).rglob("*") if p.is_file())
     for path in printed:
         if path.suffix in (".py", ".md", ".toml", ".yml", "") or path.name == "Dockerfile":
@@ -115,7 +147,8 @@ def test_the_one_machine_ray_recipe_runs_as_written(tmp_path: Path) -> None:
     # namespace of its own (we are root in CI), so that its `ray stop` stops only the Ray it
     # started, and whatever is left dies with the namespace. HOME is a fresh folder (the
     # token file goes there) and no RAY_AUTH_* of this session's is passed on.
-    section = README[README.index(RAY_RECIPE) :]
+    recipe = RAY.read_text()
+    section = recipe[recipe.index(RAY_RECIPE) :]
     match = re.search(r"```bash\n(.*?)```", section, re.S)
     assert match is not None
     script = "set -euo pipefail\n" + match.group(1)

@@ -83,9 +83,9 @@ def test_the_send_stage_imports_nothing_of_the_sharing_stage() -> None:
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-def test_the_readmes_server_example_runs() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Serving from Python") :]
+def test_the_docs_server_example_runs() -> None:
+    serving = (ROOT / "docs" / "serving.md").read_text()
+    section = serving[serving.index("## Serving from Python") :]
     start = section.index("```python\n") + len("```python\n")
     code = section[start : section.index("\n```", start)]
     result = subprocess.run(

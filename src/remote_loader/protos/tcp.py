@@ -164,7 +164,7 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 # How often a blocked send or receive wakes up to check whether its stream is still wanted.
 POLL_INTERVAL = 0.1
 # Data connections per stream (striping, in the NOTE): the most a server grants, and what a
-# client that names none asks for. One connection carried 1.8 GB/s on loopback here (README): a
+# client that names none asks for. One connection carried 1.8 GB/s on loopback here (RESULTS.md): a
 # 25 GbE link (3.1 GB/s) wants 2 to 4, a 100 GbE one (12.5 GB/s) about 8.
 MAX_DATA_CONNECTIONS = 8
 DEFAULT_DATA_CONNECTIONS = 4  # under TLS, fewer on a client of few CPUs: default_connections

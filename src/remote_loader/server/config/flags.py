@@ -78,7 +78,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="fork|spawn|forkserver",
         help="accepted as torch's DataLoader accepts it; workers always start from the "
-        "server's fork server (see the README's options)",
+        "server's fork server (see docs/serving.md, Options)",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--seeding", choices=SEEDING_MODES, default="worker")

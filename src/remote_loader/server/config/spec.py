@@ -117,7 +117,8 @@ class LoaderSpec:
     pool: str = "local"
     ray_num_cpus: float = 1.0
     # The Ray runtime_env of the loader's actors (RAY_RUNTIME_ENV_KEYS): the code and packages
-    # they need where the cluster's nodes do not have them (README: "Ray runtime_env").
+    # they need where the cluster's nodes do not have them (docs/ray.md, "Where the actors find
+    # the code").
     ray_runtime_env: dict[str, Any] | None = None
     # num_workers = "auto" (AUTO; given as the string, in a config, a flag or here) sets
     # `autotune`: the pool starts with one worker and the server adds workers, up to

@@ -1,5 +1,5 @@
 """Admission: how one consumer takes part in a loader's epochs (sharing mode, job, rank, world
-size), and which memberships every sharing mode refuses (see "Sharing" in the README; what one
+size), and which memberships every sharing mode refuses (see docs/sharing.md; what one
 mode refuses besides is its policy's, policies.admit)."""
 
 from __future__ import annotations
