@@ -28,7 +28,7 @@ from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.autotune import Resizer, new_tuner
-from remote_loader.server.engine.backend import Ready, Short, WorkerBackend
+from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.dispatch import dispatch_for
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import POLL_INTERVAL, WorkerInitError, in_flight_bound
@@ -302,7 +302,7 @@ class WorkerPool:
                 return failed
             wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
             for event in self._backend.receive(wait):
-                if isinstance(event, Ready):
+                if isinstance(event, WorkerReady):
                     self._supervisor.ready(event)
                     continue
                 if isinstance(event, Short):

@@ -5,8 +5,8 @@ bridge process (NOTE [ Ray bridge ] in server/engine/ray/bridge.py), which owns 
 dispatch, the task ledger, supervision, the shortfall of a lost node (NOTE [ Capacity lost ] in
 server/engine/supervisor.py) and autotuning are the core's. This module only turns the core's
 calls into the bridge's commands (or a direct lane's messages) and the bridge's messages into
-Results, Ready and Short; what goes down a direct lane and comes up it, and the nodes that keep
-batches, are server/engine/ray/direct.py's.
+Results, WorkerReady and Short; what goes down a direct lane and comes up it, and the nodes that
+keep batches, are server/engine/ray/direct.py's.
 
 NOTE [ Ray data path ]
 
@@ -74,14 +74,14 @@ from typing import Any
 from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.backend import Event, Ready, Short
+from remote_loader.server.engine.backend import Event, Short, WorkerReady
 from remote_loader.server.engine.ray.bridge import (
     ACTOR_START_TIMEOUT,
     MAX_FAILED_STARTS,
+    ActorStarted,
     BridgeConfig,
     Kill,
     Lost,
-    Placed,
     Retire,
     Send,
     Shortfall,
@@ -107,7 +107,7 @@ BRIDGE_JOIN_TIMEOUT = 10.0
 @dataclasses.dataclass
 class _Actor:
     """What the server knows of one worker's actor: its incarnation, whether it has started
-    (Placed) and, once it died, why and what it was making. It may have a direct lane (`end`,
+    (ActorStarted) and, once it died, why and what it was making. It may have a direct lane (`end`,
     server/engine/ray/direct.py); until it has started, the messages for it wait in `pending`
     (whether they go down a lane or to the bridge is known only then)."""
 
@@ -383,7 +383,7 @@ class RayBackend:
                 )
             self._actors[message.worker_id].died(message.reason, message.making)
             return None
-        if isinstance(message, Placed):
+        if isinstance(message, ActorStarted):
             if not self._current(message.worker_id, message.incarnation):
                 return None
             actor = self._actors[message.worker_id]
@@ -393,7 +393,7 @@ class RayBackend:
             pending, actor.pending = actor.pending, []
             for held in pending:
                 self.send(message.worker_id, held)
-            return Ready(message.worker_id)
+            return WorkerReady(message.worker_id)
         if isinstance(message, Shortfall):
             if not self._current(message.worker_id, message.incarnation):
                 return None

@@ -26,10 +26,10 @@ from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.batch.remote import NodeDirectory, RemoteBatch
 from remote_loader.server.engine.ray.lane import (
-    Lane,
+    DirectLane,
     LaneAddress,
     Lanes,
-    SlotRef,
+    ProcFd,
     SlotSize,
     open_slot,
     recv_bytes_into,
@@ -69,7 +69,7 @@ class LaneClosed(Exception):
 class Attached:
     """One actor's lane, seen from the server."""
 
-    lane: Lane
+    lane: DirectLane
     # A COPY lane's batches: slots this process receives them into (server/worker/collating.py).
     copies: WorkerSlots | None = None
     # Its tasks sent and not yet answered, in the order sent, with what each asks (epoch key,
@@ -155,7 +155,7 @@ class DirectLanes:
             try:
                 result = recv_message(conn)  # never waits on a stalled actor for good
                 ref = result.new_buffer
-                if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
+                if isinstance(ref, ProcFd):  # a new slot of the actor's: mapped here once
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))
                 elif end.copies is not None and result.total_nbytes:
                     result = _copied(end.copies, conn, result)
