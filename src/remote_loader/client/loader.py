@@ -16,7 +16,7 @@ from remote_loader.client.epoch import EpochIterator, LoaderStats
 from remote_loader.client.errors import SpecChangedError
 from remote_loader.client.link import ServerLink
 from remote_loader.client.options import (
-    Membership,
+    JobRank,
     check_options,
     compression_codec,
     resolve_device,
@@ -138,7 +138,7 @@ class RemoteLoader(DataLoaderSurface):
             data_connections=data_connections,
         )
         self.compression = compression_codec(compression)
-        self._members = Membership(rank, world_size)
+        self._members = JobRank(rank, world_size)
         self.sharing = sharing
         # The server's name for the job an empty one means, so that state_dict() says what the
         # server's logs and metrics do.

@@ -112,7 +112,7 @@ def membership(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-class Membership:
+class JobRank:
     """A consumer's (rank, world_size): the arguments, and the job's values (`membership`) for
     those not given, read afresh at each use until `fix()` keeps them for good. A loader is
     often made before its job's launcher or torch.distributed has said who it is (in a
