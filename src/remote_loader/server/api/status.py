@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
-from remote_loader.server.errors import LoaderBrokenError, ServerError
+from remote_loader.server.errors import CallFailed, LoaderBroken
 from remote_loader.server.transports.base import remote_error
 
 # gRPC clients refuse a trailer (status details included) past grpc.max_metadata_size, 8 KiB by
@@ -26,10 +26,10 @@ ERROR_LIMIT = 2304
 MESSAGE_LIMIT = 512
 
 
-def trailer(error: ServerError) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+def trailer(error: CallFailed) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
     """The details and trailing metadata that end a call with `error`."""
     metadata: tuple[tuple[str, str | bytes], ...] = reasons.metadata(error.reason)
-    if isinstance(error, LoaderBrokenError) and error.remote is not None:
+    if isinstance(error, LoaderBroken) and error.remote is not None:
         metadata += ((reasons.ERROR_KEY, fitted_error(remote_error(error.remote))),)
     return clip_middle(str(error), DETAILS_LIMIT, details_size), metadata
 

@@ -30,7 +30,7 @@ from remote_loader.server.engine.backends import Pool, make_pool, require_backen
 from remote_loader.server.engine.inline import InlineEngine
 from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine
-from remote_loader.server.errors import ClosingError
+from remote_loader.server.errors import Closing
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.sharing.elastic import (
     Reshard,
@@ -187,7 +187,7 @@ class LoaderHost:
         return epoch_length(self._loader, self.spec, world_size)
 
     def check(self, membership: Membership) -> None:
-        """Raises SharingError when this loader refuses `membership`."""
+        """Raises SharingRefused when this loader refuses `membership`."""
         admit(membership, self.spec, self.batching.is_iterable)
 
     def attach(
@@ -204,7 +204,7 @@ class LoaderHost:
         [ Compression ], protos/compression.py)."""
         with self._cond:
             if self._closed:
-                raise ClosingError(f"loader {self.spec.name!r} is shutting down")
+                raise Closing(f"loader {self.spec.name!r} is shutting down")
         return self.runs.attach(membership, seed, epoch, start, reshard, compression)
 
     def start(self) -> None:

@@ -21,9 +21,9 @@ from remote_loader.server.config.sampling import EpochPlan, batch_seed
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine, WorkerDiedError, WorkerInitError
 from remote_loader.server.errors import (
-    ClosingError,
-    DetachedError,
-    LoaderBrokenError,
+    Closing,
+    Detached,
+    LoaderBroken,
     RemoteError,
 )
 from remote_loader.server.logfmt import logfmt
@@ -106,7 +106,7 @@ class Consumer:
 
     def next(self, cancelled: threading.Event) -> Entry | None:
         """The next entry to send, or None at the end of this consumer's epoch (or once
-        `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
+        `cancelled` is set). Raises Detached if the Run let go of this consumer."""
         run = self.run
         asked = time.monotonic()
         with run.cond:
@@ -129,13 +129,13 @@ class Consumer:
         run = self.run
         if run.fatal is not None:
             e = run.fatal
-            raise LoaderBrokenError(
+            raise LoaderBroken(
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
                 f"{e.message}\nOriginal {e.traceback.rstrip()}",
                 remote=e,
             )
         if self._detached is not None:
-            raise (ClosingError if run.closed_by_server else DetachedError)(self._detached)
+            raise (Closing if run.closed_by_server else Detached)(self._detached)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
@@ -278,7 +278,7 @@ class Run:
 
     def close(self, reason: str) -> None:
         """Ends the Run for the server's reason (shutdown): every consumer's stream fails with
-        `reason` (ClosingError), and the thread leaves at its next step (`wait_closed`)."""
+        `reason` (Closing), and the thread leaves at its next step (`wait_closed`)."""
         with self.cond:
             self.closing = self.closed_by_server = True
             consumers = list(self.consumers)
@@ -298,7 +298,7 @@ class Run:
 
     def _dismiss(self, seat: Seat, why: str) -> None:
         """The policy let go of the consumer in `seat` (with `cond` held): it is served no more,
-        and its stream ends with `why` (DetachedError)."""
+        and its stream ends with `why` (Detached)."""
         for consumer in self.consumers:
             if consumer.seat is seat:
                 consumer.dismiss(why)
