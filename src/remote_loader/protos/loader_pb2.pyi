@@ -98,7 +98,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "direct")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "node_fetch")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -110,7 +110,7 @@ class StreamRequest(_message.Message):
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
-    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FETCH_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -122,8 +122,8 @@ class StreamRequest(_message.Message):
     reshard: Reshard
     compression: str
     data_connections: int
-    direct: bool
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
+    node_fetch: bool
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., node_fetch: _Optional[bool] = ...) -> None: ...
 
 class Reshard(_message.Message):
     __slots__ = ("world_size", "consumed", "origin")

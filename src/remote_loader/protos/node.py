@@ -22,7 +22,7 @@ tf.data service clients read from its workers.
                                  its watcher there (HELLO, then a
                                  WATCH request): the node's
                                  events come on it
-    StreamRequest.direct = true  per stream: a nonce, its ticket
+    StreamRequest.node_fetch     per stream: a nonce, its ticket
                                  = nonce + HMAC(key, nonce);
                                  Frame.node_channel (host, port,
                                  ticket, connections) for each

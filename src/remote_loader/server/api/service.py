@@ -286,7 +286,7 @@ class LoaderService:
                 if connected is None:
                     return
                 sender = connected
-            if request.direct and not shared:
+            if request.node_fetch and not shared:
                 # NOTE [ Node data connection ]: a batch made on another host is named there
                 # once this trainer has reached that node.
                 sender = NodeSender(sender, _node_connections(request))

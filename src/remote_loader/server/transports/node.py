@@ -1,4 +1,4 @@
-"""Naming a batch on the node that made it, for a stream that asked (`StreamRequest.direct`):
+"""Naming a batch on the node that made it, for a stream that asked (`StreamRequest.node_fetch`):
 the trainer fetches the bytes from there (NOTE [ Node data connection ] in protos/node.py).
 
 Wraps the sender the stream negotiated (data connections or Frames), which still carries every
