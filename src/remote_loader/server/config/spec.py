@@ -38,7 +38,7 @@ SHARING_MODES = ("partition", "broadcast", "dynamic")
 SEEDING_MODES = ("worker", "per_batch")
 
 
-# Where a loader's workers run (server/engine/backends.py): "local", processes of this server;
+# Where a loader's workers run (server/engine/choice.py): "local", processes of this server;
 # "ray", actors on a Ray cluster (the `ray` extra).
 POOL_BACKENDS = ("local", "ray")
 # num_workers = AUTO: the server sizes the pool itself (LoaderSpec.autotune).

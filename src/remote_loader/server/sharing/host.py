@@ -26,7 +26,7 @@ from remote_loader.server.config.sampling import (
     plan_epoch,
 )
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
-from remote_loader.server.engine.backends import Pool, make_pool, require_backend
+from remote_loader.server.engine.choice import Pool, make_pool, require_backend
 from remote_loader.server.engine.inline import InlineEngine
 from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine

@@ -1,16 +1,17 @@
-"""The pool seam: where a loader's workers run, chosen per loader by its spec's `pool`.
+"""The backend choice: which pool a loader's spec names (`pool`), and `make_pool`, which makes it.
 
-A backend is an Engine (server/engine/seam.py: begin_epoch / submit / poll / end_epoch) with a
+A pool is an Engine (server/engine/seam.py: begin_epoch / submit / poll / end_epoch) with a
 lifetime (start / shutdown) and a description for Describe and the metrics. The Run, sharing,
 reordering, resume and the transports do not know which backend runs: a third backend is a
 module and a line in `make_pool`.
 
-Both run on the one pool core (server/engine/pool.py), which supplies everything but the workers:
+Both run on the one pool core (server/engine/pool.py), which supplies everything but the
+workers; what a backend fills is the worker seam, server/engine/backend.py's WorkerBackend:
 
 - "local" (server/engine/local.py's ProcessBackend): worker processes of this server.
 - "ray" (server/engine/ray/backend.py's RayBackend): Ray actors on a cluster, through a bridge
-process;   needs the `ray` extra, imported only when a loader asks for it. `require_backend` checks
-  that at start-up (and in `check-config`), not when an epoch first starts a pool.
+  process; needs the `ray` extra, imported only when a loader asks for it. `require_backend`
+  checks that at start-up (and in `check-config`), not when an epoch first starts a pool.
 """
 
 from __future__ import annotations
