@@ -198,9 +198,9 @@ print(json.dumps({"got": got, "reconnects": stats.reconnects, "node_bytes": stat
 def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     servers: tuple[Server, Server], link: Link
 ) -> None:
-    """NOTE [ Node lost ] in server/batch/remote.py: a trainer that cannot reach the node gets every
-    batch from the server, which fetches each when it sends it; those made ahead wait on their
-    node, and are made again by another actor when theirs is lost."""
+    """NOTE [ Node lost ] in server/batch/node_directory.py: a trainer that cannot reach the node
+    gets every batch from the server, which fetches each when it sends it; those made ahead wait on
+    their node, and are made again by another actor when theirs is lost."""
     server, _ = servers
     pool = slow_pool(server)
     remade = int(pool.describe()["remade"])

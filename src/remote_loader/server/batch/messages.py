@@ -101,8 +101,8 @@ class Result:
     # A KEEP lane's actor keeps the batch in its slot, for trainers to fetch from its data
     # server at this address (NOTE [ Node data connection ] in protos/node.py) ...
     node: tuple[str, int] | None = None
-    # ... and the server's pool adds, in its own process, the batch's handle (a RemoteBatch).
-    remote: Any = None
+    # ... and the server's pool adds, in its own process, the batch's handle (a NodeBatch).
+    node_batch: Any = None
     # time.monotonic() when the worker took the task and when it had the result (for metrics):
     # CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the server compares
     # them with its own stamps.

@@ -345,16 +345,17 @@ class WorkerPool:
             return None
         self._metrics.worker_timing(*stamps)
         blob = slot.blob(result.offset, result.total_nbytes)
-        if result.remote is not None:
-            result.remote.room = blob  # where the server fetches it to (or has it made again)
+        kept = result.node_batch
+        if kept is not None:
+            kept.room = blob  # where the server fetches it to (or has it made again)
         return Outcome(
             result.task_id,
             Delivery(
                 blob=blob,
                 header_nbytes=result.header_nbytes,
                 # A batch on its node: `blob` is room for it here, not it, until fetched.
-                slot=slot.ref(result.offset, result.generation) if result.remote is None else None,
-                remote=result.remote,
+                slot=slot.ref(result.offset, result.generation) if kept is None else None,
+                node_batch=kept,
                 lease=SlotLease(
                     functools.partial(self._slots.release, result.incarnation, result.slot),
                     mapping=blob,

@@ -50,7 +50,7 @@ class Entry:
                 delivery.header_nbytes,
                 delivery.slot,
                 delivery.lease,
-                delivery.remote,
+                delivery.node_batch,
             )
         )
 

@@ -161,8 +161,8 @@ class RayWorker:
 
     def _remake(self, message: Remake) -> tuple[np.ndarray | None, int]:
         """A batch a lost actor had kept, made again here (NOTE [ Node lost ] in
-        server/batch/remote.py): its encoded bytes and header size; None for one that cannot be (of
-        another epoch, or it failed: the server says so at its position)."""
+        server/batch/node_directory.py): its encoded bytes and header size; None for one that cannot
+        be (of another epoch, or it failed: the server says so at its position)."""
         state = self.state
         if message.epoch_key != self.epoch_key or state.fetcher is None or state.init_error:
             return None, 0

@@ -26,7 +26,7 @@ server/engine/ray/lane.py), so that its tasks and results bypass Ray's calls and
   order, sharing, exactly-once, resume); a batch's slot is the actor's again once its trainer
   has fetched it. A trainer that cannot reach the node gets that node's batches through the
   server, per batch, which then fetches them itself; an actor lost with batches no trainer has
-  fetched has them made again by another (NOTE [ Node lost ] in server/batch/remote.py);
+  fetched has them made again by another (NOTE [ Node lost ] in server/batch/node_directory.py);
 - elsewhere otherwise (`ray_node_fetch = false`, and always under TLS: the node connections are
   not encrypted), a COPY lane: each batch follows its Result on the lane and is received
   straight into a slot of the server's (one kernel copy on each side). Measured with a node in a
@@ -194,8 +194,8 @@ class RayBackend:
             "direct": self.direct,
             "copied": self.copied,
             "kept": self.kept,
-            # NOTE [ Node lost ] in server/batch/remote.py: batches made again after their actor
-            # was.
+            # NOTE [ Node lost ] in server/batch/node_directory.py: batches made again after their
+            # actor was.
             "remade": 0 if self._lanes is None else self._lanes.remade,
             # The KEEP lanes' actors' slots, now and at most (NOTE [ Node data connection ]).
             "kept_bytes": 0 if self._lanes is None else self._lanes.kept_bytes(),

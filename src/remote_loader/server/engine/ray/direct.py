@@ -3,10 +3,10 @@ what comes up it (NOTE [ Ray direct lane ] in server/engine/ray/lane.py, NOTE [ 
 server/engine/ray/backend.py).
 
 RayBackend (server/engine/ray/backend.py) owns the actors and the bridge; this module owns the
-lanes' listener, the directory of the nodes that keep batches (server/batch/remote.py) and the one
-lock the lanes are written under. Per lane it turns a Result into what the pool core takes: a new
-slot of a same-host actor mapped here (SLOTS), a batch received into a slot of the server's (COPY),
-or a batch left on its node with room for it here (KEEP). A lane that closes or stalls is
+lanes' listener, the directory of the nodes that keep batches (server/batch/node_directory.py) and
+the one lock the lanes are written under. Per lane it turns a Result into what the pool core takes:
+a new slot of a same-host actor mapped here (SLOTS), a batch received into a slot of the server's
+(COPY), or a batch left on its node with room for it here (KEEP). A lane that closes or stalls is
 raised as LaneClosed, for the backend to count the actor dead.
 """
 
@@ -24,7 +24,8 @@ import torch
 from remote_loader.protos import node as node_protocol
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.batch.messages import EpochStart, Result, Task
-from remote_loader.server.batch.remote import NodeDirectory, RemoteBatch
+from remote_loader.server.batch.node_batch import NodeBatch
+from remote_loader.server.batch.node_directory import NodeDirectory
 from remote_loader.server.engine.ray.lane import (
     DirectLane,
     LaneAddress,
@@ -74,7 +75,7 @@ class Attached:
     copies: WorkerSlots | None = None
     # Its tasks sent and not yet answered, in the order sent, with what each asks (epoch key,
     # indices, seed): the first is the one it was making when it died, and a KEEP lane's batch
-    # may be made again (NOTE [ Node lost ] in server/batch/remote.py).
+    # may be made again (NOTE [ Node lost ] in server/batch/node_directory.py).
     unanswered: dict[int, tuple[int, Any, int | None]] = dataclasses.field(default_factory=dict)
     # A KEEP lane's: its data server's address, from its first Result, and the sizes of the
     # slots the actor keeps batches in there, by slot (its memory held for trainers).
@@ -114,7 +115,7 @@ class DirectLanes:
         # bounded by NOTE [ Node data connection ]'s rule, NAMED_AHEAD per stream and node.
         self.kept_peak = 0
         # Lanes are written by the pool's thread and, for a batch made again, by the
-        # directory's (NOTE [ Node lost ] in server/batch/remote.py).
+        # directory's (NOTE [ Node lost ] in server/batch/node_directory.py).
         self._sending = threading.Lock()
 
     @property
@@ -195,14 +196,14 @@ class DirectLanes:
                 result.header_nbytes,
                 end.unanswered.get(result.task_id),
             )
-            result = dataclasses.replace(result, remote=kept)
+            result = dataclasses.replace(result, node_batch=kept)
         return result
 
     def kept_bytes(self) -> int:
         """Bytes of the slots the live actors on KEEP lanes hold (their batches for trainers)."""
         return sum(sum(end.kept.values()) for end in list(self._live()))
 
-    def _remake(self, batch: RemoteBatch, remake_id: int) -> tuple[str, int] | None:
+    def _remake(self, batch: NodeBatch, remake_id: int) -> tuple[str, int] | None:
         """Sends `batch` to be made again by a live actor on a KEEP lane elsewhere than where it
         was lost (the directory's thread); that actor's node, or None when none can now."""
         if batch.task is None:
