@@ -53,8 +53,10 @@ def clip(value: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteError:
-    """An exception raised on the server, carried as a value to where it is consumed.
+class CapturedError:
+    """An exception raised on the server, captured where it was raised (as torch's
+    ExceptionWrapper) and carried as a value to where it is consumed: a batch's position in its
+    stream (the wire's CapturedError), or the Run's `fatal` error (LoaderBroken).
 
     `module` and `qualname` name the exception's class (`builtins` / `ValueError`), so the
     trainer can raise it as its own type, as torch's ExceptionWrapper.reraise does. For one of
@@ -71,7 +73,7 @@ class RemoteError:
     qualname: str = ""
 
     @classmethod
-    def capture(cls, where: str, exc: BaseException) -> RemoteError:
+    def capture(cls, where: str, exc: BaseException) -> CapturedError:
         text = "".join(traceback.format_exception(exc))
         kind = type(exc)
         if kind.__module__.startswith("remote_loader."):
@@ -124,15 +126,15 @@ class LoaderNotNamed(LoaderNotFound):
 
 class LoaderBroken(CallFailed):
     """The loader cannot make any batch: the dataset factory or the worker_init_fn raised in
-    its workers. The message carries the original traceback; `remote`, the exception itself,
+    its workers. The message carries the original traceback; `original`, the exception itself,
     goes in the trailing metadata too (ERROR_KEY, NOTE [ Error reasons ])."""
 
     status = "FAILED_PRECONDITION"
     reason = reasons.LOADER_BROKEN
 
-    def __init__(self, message: str, remote: RemoteError | None = None) -> None:
+    def __init__(self, message: str, original: CapturedError | None = None) -> None:
         super().__init__(message)
-        self.remote = remote
+        self.original = original
 
 
 class SpecChanged(CallFailed):

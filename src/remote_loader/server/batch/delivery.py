@@ -9,7 +9,7 @@ import dataclasses
 
 from remote_loader.server.batch.lease import SlotLease
 from remote_loader.server.batch.node_batch import NodeBatch
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Delivery:
 
     blob: memoryview | None = None
     header_nbytes: int = 0
-    error: RemoteError | None = None
+    error: CapturedError | None = None
     lease: SlotLease = dataclasses.field(default_factory=SlotLease)
     # The worker's slot holding `blob`, when a same-host client may map it (None: in this
     # process's memory, or a slot without a descriptor).

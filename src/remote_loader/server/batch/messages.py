@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from remote_loader.protos import slots as slot_protocol
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 
 
 class BatchTooLargeError(ValueError):
@@ -88,7 +88,7 @@ class Result:
     new_buffer: torch.Tensor | None = None
     # Slots the worker has let go (too small); the server forgets them.
     dropped: tuple[int, ...] = ()
-    error: RemoteError | None = None
+    error: CapturedError | None = None
     # An IterableDataset ran dry in this worker (torch's _IterableDatasetStopIteration).
     exhausted: bool = False
     # Which process of worker `worker_id` this is (a replaced worker gets a new one): slots are

@@ -21,10 +21,10 @@ from remote_loader.server.config.sampling import EpochPlan, batch_seed
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine, WorkerDiedError, WorkerInitError
 from remote_loader.server.errors import (
+    CapturedError,
     Closing,
     Detached,
     LoaderBroken,
-    RemoteError,
 )
 from remote_loader.server.logfmt import logfmt
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
@@ -132,7 +132,7 @@ class Consumer:
             raise LoaderBroken(
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
                 f"{e.message}\nOriginal {e.traceback.rstrip()}",
-                remote=e,
+                original=e,
             )
         if self._detached is not None:
             raise (Closing if run.closed_by_server else Detached)(self._detached)
@@ -217,7 +217,7 @@ class Run:
         self.consumers: list[Consumer] = []
         self.closing = False
         self.closed_by_server = False
-        self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
+        self.fatal: CapturedError | None = None  # no batch can be made: every stream fails
         self._task_ids = itertools.count()
         # task id -> (lane, lane-local id, when it was submitted)
         self._tasks: dict[int, tuple[Lane, int, float]] = {}
@@ -357,7 +357,7 @@ class Run:
             else:
                 log.exception("%r failed", self)
                 where = "in the server process"
-            self._fail(RemoteError.capture(where, exc))
+            self._fail(CapturedError.capture(where, exc))
         finally:
             with self.cond:
                 if self.closing:
@@ -382,7 +382,7 @@ class Run:
                 self.cond.wait(POLL_INTERVAL)
                 return True
         outcome = engine.poll(POLL_INTERVAL)
-        failed: list[tuple[Lane, int, RemoteError]] = []
+        failed: list[tuple[Lane, int, CapturedError]] = []
         if outcome is not None:
             with self.cond:
                 lane, local_id, submitted_at = self._tasks.pop(outcome.task_id)
@@ -401,14 +401,14 @@ class Run:
         self._log_errors(failed)
         return True
 
-    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, RemoteError]]:
+    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, CapturedError]]:
         """With `cond` held: `delivery` takes `lane`'s next position; returns the error made
         there, if it is one, for `_log_errors` (after `cond` is let go)."""
         position = lane.produced
         lane.add(delivery)
         return [] if delivery.error is None else [(lane, position, delivery.error)]
 
-    def _log_errors(self, failed: list[tuple[Lane, int, RemoteError]]) -> None:
+    def _log_errors(self, failed: list[tuple[Lane, int, CapturedError]]) -> None:
         """Logs each error made at a batch's position: here, where it is made once, not in each
         stream that sends it (a broadcast error goes to every consumer)."""
         for lane, position, error in failed:
@@ -460,7 +460,7 @@ class Run:
             lane.issued += 1
             lane.outstanding += 1
 
-    def _fail(self, error: RemoteError) -> None:
+    def _fail(self, error: CapturedError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
         failed = []
         with self.cond:

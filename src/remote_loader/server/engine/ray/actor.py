@@ -38,7 +38,7 @@ from remote_loader.server.engine.ray.lane import (
     proc_fd,
 )
 from remote_loader.server.engine.ray.node import NodeServer, Remake
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.allocator import settle_allocator
 from remote_loader.server.worker.collating import WorkerSlots, use_collate_buffers
 from remote_loader.server.worker.dataset import SharedDataset
@@ -206,7 +206,7 @@ class RayWorker:
                     self.state, slots, message.indices, message.seed, self.max_batch_bytes
                 )
             except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
-                fields = {"error": RemoteError.capture(self.state.where, exc)}
+                fields = {"error": CapturedError.capture(self.state.where, exc)}
             blob = None
             if lane.copy and "slot" in fields:
                 # The server has none of this actor's slots: the bytes go on the lane.

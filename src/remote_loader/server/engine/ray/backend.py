@@ -92,7 +92,7 @@ from remote_loader.server.engine.ray.bridge import (
 )
 from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
 from remote_loader.server.engine.seam import WorkerDiedError, WorkerInitError
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.dataset import SharedDataset
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class RayBackend:
             problem = f"its Ray driver process exited (code {bridge.exitcode})"
         self.stop()
         raise WorkerInitError(
-            RemoteError(
+            CapturedError(
                 where="starting the loader's Ray pool",
                 type="RayUnavailable",
                 message=(

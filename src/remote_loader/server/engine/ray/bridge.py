@@ -99,7 +99,7 @@ from remote_loader.server.engine.ray.connect import (
     watch_server,
 )
 from remote_loader.server.engine.ray.lane import LaneAddress
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.collating import WorkerSlots
 from remote_loader.server.worker.dataset import SharedDataset
 
@@ -400,7 +400,9 @@ class _Bridge:
         except self.ray.exceptions.RayActorError as exc:
             return self.died(worker_id, incarnation, task, exc)
         except Exception as exc:  # the call itself failed: an error at this task's position
-            fields = {"error": RemoteError.capture(f"in DataLoader worker {worker_id} (Ray)", exc)}
+            fields = {
+                "error": CapturedError.capture(f"in DataLoader worker {worker_id} (Ray)", exc)
+            }
             started = finished = 0.0
         with self.lock:
             calls = self.calls.get(incarnation)
