@@ -15,7 +15,8 @@ import pytest
 from remote_loader.server.batch.delivery import Delivery
 from remote_loader.server.batch.lease import SlotLease
 from remote_loader.server.config.sampling import EpochPlan, share
-from remote_loader.server.config.spec import SHARING_MODES, LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.config.types import SHARING_MODES
 from remote_loader.server.engine.seam import Engine
 from remote_loader.server.errors import SharingRefused
 from remote_loader.server.sharing.lanes import BroadcastLane, Lane, QueueLane

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from remote_loader.server.config.spec import SHARING_MODES, LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.config.types import SHARING_MODES
 from remote_loader.server.errors import SharingRefused, clip
 
 DEFAULT_JOB = "default"

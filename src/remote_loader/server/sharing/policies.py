@@ -156,7 +156,7 @@ class Policy(abc.ABC, Generic[S]):
         return lane.issued
 
     def _queue_lane(self, rank: int, start: int) -> QueueLane:
-        lane = QueueLane(self.spec.in_order, self._window)
+        lane = QueueLane(self.spec.parts.batching.in_order, self._window)
         lane.rank = rank
         lane.begin(self._lane_tasks(rank), start, self._iterable)
         return lane

@@ -451,7 +451,7 @@ class Run:
                 continue
             task_id = next(self._task_ids)
             seed = None
-            if self.spec.seeding == "per_batch":
+            if self.spec.parts.batching.seeding == "per_batch":
                 seed = batch_seed(self.key.seed, self.key.epoch, self.policy.batch_index(lane))
             if not engine.submit(task_id, indices, seed):
                 lane.tasks_done = True  # every worker's IterableDataset has run dry

@@ -535,7 +535,7 @@ def bridge_main(cfg: BridgeConfig) -> None:
     ).start()
     try:
         spec = cfg.spec
-        code = [spec.dataset, spec.sampler, spec.batch_sampler, spec.collate_fn]
+        code = [spec.parts.dataset.factory, spec.sampler, spec.batch_sampler, spec.collate_fn]
         connect(
             cfg.address,
             spec.parts.pool.ray_runtime_env,
