@@ -75,6 +75,7 @@ from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.backend import Event, Short, WorkerReady
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.ray.bridge import (
     ACTOR_START_TIMEOUT,
     MAX_FAILED_STARTS,
@@ -136,18 +137,15 @@ class RayBackend:
         spec: LoaderSpec,
         batching: Batching,
         ctx: multiprocessing.context.BaseContext,
+        options: PoolOptions,
         *,
-        address: str | None,
-        max_batch_bytes: int,
         dataset: SharedDataset,
-        direct: bool = True,
-        node_fetch: bool = True,
         record: Callable[[str, int], None] = lambda path, nbytes: None,
     ) -> None:
         self.spec = spec
         self.batching = batching
-        self.address = address
-        self.max_batch_bytes = max_batch_bytes
+        self.address = options.ray_address
+        self.max_batch_bytes = options.max_batch_bytes
         # What each actor starts from (NOTE [ One dataset per loader ]): the bridge puts it in
         # Ray's object store once.
         self.dataset = dataset
@@ -161,8 +159,8 @@ class RayBackend:
         # Direct lanes (the server's ray_direct setting); actors of other hosts keep their
         # batches for trainers to fetch (KEEP lanes, NOTE [ Node data connection ] in
         # protos/node.py) unless ray_node_fetch is off.
-        self._direct = direct
-        self._node_fetch = node_fetch
+        self._direct = options.ray_direct
+        self._node_fetch = options.ray_node_fetch
         self._record = record  # bytes of batches made elsewhere, by path ("server", "node")
         self._lanes: DirectLanes | None = None
         self._attached: tuple[bool, ...] = ()  # of the actors placed at start
