@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks.netns import Link
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
@@ -101,7 +102,7 @@ def servers(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 def test_a_trainer_fetches_every_batch_from_the_node_that_made_it(
-    servers: tuple[Server, Server], transport: str
+    servers: tuple[Server, Server], transport: Transport
 ) -> None:
     server, _ = servers
     before = remote_bytes(server, "kept")
