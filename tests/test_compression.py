@@ -5,7 +5,7 @@ workers compress what a stream asks for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
@@ -101,6 +101,12 @@ def test_a_damaged_compressed_leaf_is_a_decode_error() -> None:
     blob[start : start + 16] = b"\xff" * 16
     with pytest.raises(codec.DecodeError, match="decompress"):
         codec.decode_blob(blob, len(encoded.header))
+
+
+@pytest.mark.unit
+def test_the_compression_type_names_what_the_codecs_check_takes() -> None:
+    # protos/modes.py's Literal, the type of RemoteLoader(compression=...), and the check.
+    assert get_args(Compression) == ("none", *compression.CODECS)
 
 
 @pytest.mark.unit
