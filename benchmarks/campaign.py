@@ -52,9 +52,11 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+from remote_loader.client.types import Transport
 
 if __package__ in (None, ""):  # run as a script: the repository root onto the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -120,7 +122,12 @@ def trainer(address: str, rank: int, transport: str, job: str, state: str) -> in
 
     try:
         with RemoteLoader(
-            address, rank=rank, world_size=WORLD, job=job, transport=transport, device="cpu"
+            address,
+            rank=rank,
+            world_size=WORLD,
+            job=job,
+            transport=cast("Transport", transport),  # from argv: RemoteLoader checks it
+            device="cpu",
         ) as loader:
             if state:
                 loader.load_state_dict(json.loads(state))

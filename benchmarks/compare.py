@@ -91,6 +91,7 @@ from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from remote_loader.client import TLS, RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import resolve
 from remote_loader.server.datasets import DEMO_CLASSES, DEMO_DATASET, DEMO_PER_CLASS, demo_folder
 
@@ -135,7 +136,7 @@ DEFAULT_THREADS = torch.get_num_threads()
 # CPU each side spends per batch (client and server), not the transport's speed alone.
 
 
-def loaders_for(cross_host: bool) -> dict[str, str | None]:
+def loaders_for(cross_host: bool) -> dict[str, Transport | None]:
     """The loaders each workload runs, in each round's order: label -> RemoteLoader transport
     (None: torch's DataLoader in this process). Across hosts `auto` must find the data
     connection by itself (checked), and there is no shared memory to measure."""

@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Compression
 from remote_loader.protos import codec, compression
 
 # benchmarks/ is not a package on any default path; the server imports the datasets as
@@ -48,7 +49,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import netns  # noqa: E402
 from benchmarks.processes import Placement, serve_at  # noqa: E402
 
-CODECS = ("none", "lz4", "zstd")
+CODECS: tuple[Compression, ...] = ("none", "lz4", "zstd")
 BATCH_SIZE = 64
 COMPRESSIBLE_TARGET = 2.0
 INCOMPRESSIBLE_TARGET = 0.95
@@ -113,7 +114,7 @@ def wire_bytes(name: str, codec_name: str, n: int) -> float:
     return float(codec.encode(batch, compressor).total_nbytes)
 
 
-def epoch(address: str, codec_name: str) -> float:
+def epoch(address: str, codec_name: Compression) -> float:
     """Batches/s of one epoch read with `codec_name`."""
     with RemoteLoader(address, device="cpu", compression=codec_name) as loader:
         start = time.perf_counter()

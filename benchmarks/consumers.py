@@ -19,6 +19,7 @@ import psutil  # type: ignore[import-untyped, unused-ignore]
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Transport
 
 # Seconds a consumer may wait for one batch, and for the server when it connects.
 BATCH_TIMEOUT = 300.0
@@ -111,7 +112,7 @@ class Order:
     world_size: int
     first_epoch: int
     epochs: int
-    transport: str
+    transport: Transport
     data_connections: int | None  # the client's (None: its default)
     step: float = 0.0  # seconds each batch is held, as a trainer's step would (a sleep)
 

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import Served, ServeLoaders, StartServer, subprocess_env, wait_until
 from tests.test_shm import rings
@@ -34,7 +35,7 @@ BUSY_MACHINE = 30.0
 
 @pytest.mark.parametrize(("transport", "way"), TRANSPORTS)
 def test_a_server_that_stops_writing_ends_in_the_clients_timeout(
-    start_server: StartServer, transport: str, way: str
+    start_server: StartServer, transport: Transport, way: str
 ) -> None:
     # Batch 4 takes an hour: the stream is up (ring mapped, data connection open) and silent.
     address = start_server(
@@ -95,7 +96,7 @@ FROZEN_CLIENT = textwrap.dedent(
 # [ Ping timeout ] in protos/wire.py: before, 1 run in 3 waited out a 60 s BDP ping first).
 @pytest.mark.parametrize(("transport", "way"), TRANSPORTS)
 def test_a_frozen_client_is_let_go_after_the_keepalive(
-    serve_loaders: ServeLoaders, transport: str, way: str
+    serve_loaders: ServeLoaders, transport: Transport, way: str
 ) -> None:
     # 1 MB batches: the ring (4 of them), the socket buffers or gRPC's window fill quickly.
     served = serve_blobs(serve_loaders, 400)
@@ -125,7 +126,7 @@ def test_a_frozen_client_is_let_go_after_the_keepalive(
 
 @pytest.mark.parametrize(("transport", "way"), TRANSPORTS)
 def test_a_training_loop_that_pauses_longer_than_the_keepalive_keeps_its_stream(
-    serve_loaders: ServeLoaders, transport: str, way: str
+    serve_loaders: ServeLoaders, transport: Transport, way: str
 ) -> None:
     served = serve_blobs(serve_loaders, 24)
     with RemoteLoader(served.address, transport=transport, device="cpu", retries=0) as loader:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.protos.buffers import GRANULE, MIN_POOLED_BYTES, BufferPool
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
@@ -99,7 +100,7 @@ def test_empty_as_gives_a_contiguous_tensor_of_the_shape_and_dtype() -> None:
 
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 def test_batches_the_loop_keeps_are_never_written_over(
-    serve_loaders: ServeLoaders, transport: str
+    serve_loaders: ServeLoaders, transport: Transport
 ) -> None:
     sizes = [300_000, 500_000, 300_000] * 6
     served = serve_loaders(sizes_spec(sizes, num_workers=2))

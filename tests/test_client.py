@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
+from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import StartServer
 
@@ -38,6 +39,19 @@ def test_cpu_fallback(start_server: StartServer) -> None:
         assert loader.device == torch.device("cpu") and not loader.pin_memory
         batch = next(iter(loader))
         assert batch["x"].device.type == "cpu" and not batch["x"].is_pinned()
+
+
+def test_the_arguments_are_read_only_and_resolved_once(start_server: StartServer) -> None:
+    address = start_server(SQUARES)
+    with RemoteLoader(address, device="cpu", job="", compression="none", token="s3cret") as loader:
+        options = loader.options  # client/options.py LoaderOptions: made once, frozen
+        assert (loader.address, loader.job, loader.compression) == (address, "default", "")
+        assert loader.device == options.device == torch.device("cpu")
+        assert loader.sharing == "partition" and loader.transport == "auto" and loader.tls is None
+        assert "s3cret" not in repr(options)
+        for name in ("address", "sharing", "job", "device", "transport", "compression", "seed"):
+            with pytest.raises(AttributeError):
+                setattr(loader, name, None)
 
 
 def test_close_and_context_manager(start_server: StartServer) -> None:
@@ -83,7 +97,7 @@ def test_timeout_names_the_batch(start_server: StartServer) -> None:
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_receive_buffers_stay_within_the_prefetch_depth(
-    start_server: StartServer, transport: str, prefetch: int
+    start_server: StartServer, transport: Transport, prefetch: int
 ) -> None:
     """Every batch lands in a receive buffer (pinned where there is CUDA: tests/test_gpu.py
     checks the pinned allocator there; on the CPU a reused one, NOTE [ Reused buffers ]);

@@ -5,13 +5,14 @@ workers compress what a stream asks for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Compression, Transport
 from remote_loader.protos import codec, compression
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders, assert_same
@@ -103,9 +104,15 @@ def test_a_damaged_compressed_leaf_is_a_decode_error() -> None:
 
 
 @pytest.mark.unit
+def test_the_compression_type_names_what_the_codecs_check_takes() -> None:
+    # protos/modes.py's Literal, the type of RemoteLoader(compression=...), and the check.
+    assert get_args(Compression) == ("none", *compression.CODECS)
+
+
+@pytest.mark.unit
 def test_the_client_refuses_an_unknown_codec_with_the_choices() -> None:
     with pytest.raises(ValueError, match='"none", "lz4" or "zstd"'):
-        RemoteLoader("127.0.0.1:1", compression="gzip")
+        RemoteLoader("127.0.0.1:1", compression="gzip")  # type: ignore[arg-type]
 
 
 # --- over a real server ------------------------------------------------------------------------
@@ -133,9 +140,9 @@ def expected() -> list[torch.Tensor]:
 def test_workers_compress_what_the_stream_asks_for(
     serve_loaders: ServeLoaders,
     monkeypatch: pytest.MonkeyPatch,
-    name: str,
+    name: Compression,
     num_workers: int,
-    transport: str,
+    transport: Transport,
 ) -> None:
     decompressed: list[int] = []
     real = compression.decompress

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Sharing, Transport
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
@@ -98,7 +99,7 @@ def batches(draw: st.DrawFn) -> list[dict[str, Any]]:
     return out
 
 
-def _expected(path: Path, sharing: str, rank: int) -> list[Any]:
+def _expected(path: Path, sharing: Sharing, rank: int) -> list[Any]:
     dataset = Drawn(str(path))
     if sharing == "partition":
         sampler: DistributedSampler[Any] = DistributedSampler(
@@ -119,7 +120,13 @@ def _nbytes(batch: Any) -> int:
 
 
 def _consume(
-    address: str, loader: str, transport: str, sharing: str, job: str, rank: int, epoch: int
+    address: str,
+    loader: str,
+    transport: Transport,
+    sharing: Sharing,
+    job: str,
+    rank: int,
+    epoch: int,
 ) -> tuple[list[Any], set[str | None]]:
     with RemoteLoader(
         address,
@@ -164,7 +171,7 @@ DOUBLING = [{"sizes": [1000 << k], "dtype": "uint8", "nest": 0} for k in range(8
 @given(drawn=batches())
 @example(drawn=DOUBLING)
 def test_every_batch_arrives_intact_in_order_exactly_once(
-    server: tuple[str, Path], transport: str, loader: str, sharing: str, drawn: list[Any]
+    server: tuple[str, Path], transport: Transport, loader: str, sharing: Sharing, drawn: list[Any]
 ) -> None:
     address, path = server
     tmp = path.with_suffix(".tmp")

@@ -20,6 +20,7 @@ from remote_loader.client import (
     ServerError,
     connect,
 )
+from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.sharing.membership import DEFAULT_JOB
 from tests.conftest import (
@@ -73,7 +74,7 @@ def _until_error(it: Any) -> tuple[Exception, float]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_server_killed_mid_epoch_ends_in_connection_lost_within_the_bound(
-    transport: str,
+    transport: Transport,
 ) -> None:
     proc, address = serve_process(
         "--dataset",

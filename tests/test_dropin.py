@@ -410,11 +410,11 @@ def _by_torch(exc: Exception) -> Exception:
     return info.value
 
 
-def _frame_error(exc: Exception) -> pb.RemoteError:
-    """The error Frame's RemoteError a server sends for `exc` (server/worker/loop.py)."""
+def _frame_error(exc: Exception) -> pb.CapturedError:
+    """The error Frame's CapturedError a server sends for `exc` (server/worker/loop.py)."""
     wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WHERE)
     kind = type(exc)
-    return pb.RemoteError(
+    return pb.CapturedError(
         where=WHERE,
         type=kind.__name__,
         message=str(exc),
@@ -459,7 +459,7 @@ def test_an_error_is_raised_as_torch_raises_it(kind: type[Exception]) -> None:
 def test_an_error_of_a_type_not_found_here_is_a_plain_dataset_error(
     module: str, qualname: str
 ) -> None:
-    sent = pb.RemoteError(
+    sent = pb.CapturedError(
         where=WHERE, type="Error", message="m", traceback="t", module=module, qualname=qualname
     )
     error = dataset_error(3, sent)

@@ -51,9 +51,9 @@ BROKEN = LoaderSpec(
 )
 
 
-def _server_classes() -> list[type[server_errors.ServerError]]:
-    found: list[type[server_errors.ServerError]] = []
-    todo: list[type[server_errors.ServerError]] = [server_errors.ServerError]
+def _server_classes() -> list[type[server_errors.CallFailed]]:
+    found: list[type[server_errors.CallFailed]] = []
+    todo: list[type[server_errors.CallFailed]] = [server_errors.CallFailed]
     while todo:
         cls = todo.pop()
         found.append(cls)
@@ -79,6 +79,19 @@ def test_every_server_error_has_a_reason_of_its_own() -> None:
 
 
 @pytest.mark.unit
+def test_every_server_error_is_named_for_its_reason() -> None:
+    # server/errors.py: `loader-broken` is LoaderBroken; no client class has a server's name.
+    for cls in SERVER_CLASSES:
+        if cls is not server_errors.CallFailed:
+            camel = "".join(word.capitalize() for word in cls.reason.split("-"))
+            assert cls.__name__ == camel, (cls, cls.reason)
+    client_names = {
+        name for name in dir(client_errors) if isinstance(getattr(client_errors, name), type)
+    }
+    assert not client_names & {cls.__name__ for cls in SERVER_CLASSES}
+
+
+@pytest.mark.unit
 def test_every_reason_maps_to_a_client_error() -> None:
     assert set(client_errors.REASON_ERRORS) == reasons.REASONS
     for reason, cls in client_errors.REASON_ERRORS.items():
@@ -100,7 +113,7 @@ RAISE_METHOD = "/remote_loader.test.Errors/Raise"
 
 @contextlib.contextmanager
 def _raising_server() -> Iterator[grpc.Channel]:
-    """A gRPC server on port 0 whose one method raises the ServerError class named by the
+    """A gRPC server on port 0 whose one method raises the server error class named by the
     request through the service's own mapping (`_statuses`), or, for "old:NAME", ends the call
     as a server from before the reasons did: the same status and message, no reason."""
     by_name = {cls.__name__: cls for cls in SERVER_CLASSES}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import StartServer, assert_same
 
@@ -53,7 +54,7 @@ def test_default_device_is_the_current_cuda_device(start_server: StartServer) ->
 
 @pytest.mark.parametrize(("transport", "way"), [("auto", "shm"), ("tcp", "tcp"), ("grpc", "grpc")])
 def test_every_transport_lands_on_the_device_intact(
-    start_server: StartServer, transport: str, way: str
+    start_server: StartServer, transport: Transport, way: str
 ) -> None:
     address = start_server(MIXED)
     with (
@@ -104,7 +105,7 @@ def test_the_pinned_memory_measure_sees_live_buffers_and_only_those() -> None:
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_pinned_memory_stays_within_the_prefetch_depth(
-    start_server: StartServer, transport: str, prefetch: int
+    start_server: StartServer, transport: Transport, prefetch: int
 ) -> None:
     """Pinned buffers live at once: at most `prefetch` queued batches, the one being received
     and the one the training loop holds, however slow the loop is."""

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from remote_loader.client import RemoteLoader, ServerError
+from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
@@ -145,7 +146,7 @@ def test_a_paused_trainer_keeps_its_stream_while_the_server_has_room(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
-    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: str
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: Transport
 ) -> None:
     caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
     blobs = dataclasses.replace(BLOBS, dataset_kwargs={"n": 64, "nbytes": 1 << 20})

@@ -118,7 +118,7 @@ def test_membership_defaults_from_the_environment(
     with pytest.raises(ValueError, match="rank 3 is out of range for world_size 2"):
         RemoteLoader(address, rank=3, world_size=2)
     with pytest.raises(ValueError, match="sharing must be one of"):
-        RemoteLoader(address, rank=0, world_size=1, sharing="everyone")
+        RemoteLoader(address, rank=0, world_size=1, sharing="everyone")  # type: ignore[arg-type]
 
 
 def worker_pids(loader: RemoteLoader) -> set[int]:

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks.netns import Link
 from remote_loader.client import RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
@@ -101,7 +102,7 @@ def servers(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 def test_a_trainer_fetches_every_batch_from_the_node_that_made_it(
-    servers: tuple[Server, Server], transport: str
+    servers: tuple[Server, Server], transport: Transport
 ) -> None:
     server, _ = servers
     before = remote_bytes(server, "kept")
@@ -198,9 +199,9 @@ print(json.dumps({"got": got, "reconnects": stats.reconnects, "node_bytes": stat
 def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     servers: tuple[Server, Server], link: Link
 ) -> None:
-    """NOTE [ Node lost ] in server/batch/remote.py: a trainer that cannot reach the node gets every
-    batch from the server, which fetches each when it sends it; those made ahead wait on their
-    node, and are made again by another actor when theirs is lost."""
+    """NOTE [ Node lost ] in server/batch/node_directory.py: a trainer that cannot reach the node
+    gets every batch from the server, which fetches each when it sends it; those made ahead wait on
+    their node, and are made again by another actor when theirs is lost."""
     server, _ = servers
     pool = slow_pool(server)
     remade = int(pool.describe()["remade"])

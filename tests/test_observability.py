@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from remote_loader.client import DatasetError, RemoteLoader
+from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
@@ -110,7 +111,7 @@ FAILING = LoaderSpec(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["auto", "grpc"])  # auto: slot Frames over shared memory
 def test_a_dataset_error_is_logged_once_and_counted_on_each_stream_end_line(
-    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: str
+    serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: Transport
 ) -> None:
     caplog.set_level(logging.INFO, logger="remote_loader.server")
     served = serve_loaders(FAILING)

@@ -15,9 +15,10 @@ import pytest
 from remote_loader.server.batch.delivery import Delivery
 from remote_loader.server.batch.lease import SlotLease
 from remote_loader.server.config.sampling import EpochPlan, share
-from remote_loader.server.config.spec import SHARING_MODES, LoaderSpec
+from remote_loader.server.config.spec import LoaderSpec
+from remote_loader.server.config.types import SHARING_MODES
 from remote_loader.server.engine.seam import Engine
-from remote_loader.server.errors import SharingError
+from remote_loader.server.errors import SharingRefused
 from remote_loader.server.sharing.lanes import BroadcastLane, Lane, QueueLane
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import (
@@ -156,7 +157,7 @@ def test_a_partition_rank_that_leaves_mid_share_abandons_it_and_every_slot_goes_
 
 def test_partition_refuses_to_split_an_iterable_dataset_between_ranks() -> None:
     spec = LoaderSpec(name="it", dataset="tests.datasets:Squares")
-    with pytest.raises(SharingError, match="cannot split"):
+    with pytest.raises(SharingRefused, match="cannot split"):
         admit(Membership("partition", "job", 0, 2), spec, iterable=True)
     admit(Membership("partition", "job", 0, 1), spec, iterable=True)
     admit(Membership("dynamic", "job", 0, 2), spec, iterable=True)

@@ -389,7 +389,8 @@ def test_an_unreachable_ray_address_fails_streams_with_a_clear_error() -> None:
 @pytest.mark.unit
 def test_pool_ray_is_checked_in_the_spec() -> None:
     with pytest.raises(ConfigError, match="pool must be one of local, ray"):
-        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="slurm")
+        # A typo is a type error (config/types.py), and at run time this ConfigError.
+        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="slurm")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="needs num_workers >= 1"):
         LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="ray")
 

@@ -123,7 +123,7 @@ def test_a_replacement_placed_on_a_dead_node_ends_in_an_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Its start failed with ActorDiedError and the bridge said nothing: its tasks waited in
-    # RayBackend's `pending` for a Placed that never came, and the epoch hung.
+    # RayBackend's `pending` for an ActorStarted that never came, and the epoch hung.
     caplog.set_level(logging.WARNING, logger="remote_loader")
     cluster, doomed = cluster_with_a_spare_cpu()
     try:
@@ -176,7 +176,7 @@ def test_a_pool_short_after_a_node_loss_grows_back_when_a_node_joins(
             assert pool.working == 1 and gauge._value.get() == 1
             cluster.add_node(**{**NODE, "num_cpus": 2})  # CPUs return
             joined = time.monotonic()
-            # Ready is read while an epoch polls the bridge.
+            # WorkerReady is read while an epoch polls the bridge.
             while pool.working < 2 and time.monotonic() - joined < GROW_BACK:
                 assert [int(b) for b in loader] == torch_batches()
             took = time.monotonic() - joined

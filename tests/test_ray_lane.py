@@ -23,14 +23,14 @@ import torch
 
 from remote_loader.server.engine.ray.lane import (
     HELLO_TIMEOUT,
+    ActorProbe,
     Lanes,
-    Probe,
-    SlotRef,
+    ProcFd,
     attach,
     open_slot,
+    proc_fd,
     recv_bytes_into,
     recv_message,
-    share,
 )
 
 pytestmark = pytest.mark.unit
@@ -46,7 +46,7 @@ def lanes() -> Iterator[Lanes]:
 
 
 def test_an_actor_whose_memory_maps_here_gets_a_slots_lane(lanes: Lanes) -> None:
-    probe = Probe()
+    probe = ActorProbe()
     lane = attach(lanes.address, 7, probe)
     assert lane is not None and not lane.copy
     taken = lanes.take(7)
@@ -64,7 +64,7 @@ def test_an_actor_whose_memory_maps_here_gets_a_slots_lane(lanes: Lanes) -> None
 def test_a_peer_without_the_secret_is_refused_and_the_listener_goes_on(lanes: Lanes) -> None:
     wrong = dataclasses.replace(lanes.address, secret=os.urandom(32))
     started = time.monotonic()
-    assert attach(wrong, 3, Probe()) is None  # closed without an answer
+    assert attach(wrong, 3, ActorProbe()) is None  # closed without an answer
     assert lanes.take(3, timeout=0.5) is None
     # Bytes that are no hello at all, then a good actor: it still gets its lane.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
@@ -73,14 +73,14 @@ def test_a_peer_without_the_secret_is_refused_and_the_listener_goes_on(lanes: La
         raw.settimeout(HELLO_TIMEOUT + 1)
         with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread
             assert raw.recv(1) == b""  # closed by the server
-    probe = Probe()  # kept while the server opens it, as an actor keeps its own
+    probe = ActorProbe()  # kept while the server opens it, as an actor keeps its own
     assert attach(lanes.address, 4, probe) is not None and lanes.take(4) is not None
     assert time.monotonic() - started < HELLO_TIMEOUT
 
 
 def test_an_actor_whose_memory_does_not_map_here_gets_a_copy_lane(lanes: Lanes) -> None:
     # As from a process of the same pid on another host: the file opens, its content differs.
-    probe = Probe()
+    probe = ActorProbe()
     probe.token = bytes(16)
     lane = attach(lanes.address, 5, probe)
     assert lane is not None and lane.copy
@@ -122,7 +122,7 @@ def test_an_actor_that_cannot_reach_the_unix_listener_attaches_over_tcp() -> Non
         assert lanes.address.tcp is not None and lanes.address.tcp[0] == "127.0.0.1"
         # As from another network namespace: the abstract socket is not there.
         elsewhere = dataclasses.replace(lanes.address, path="\0remote-loader-nowhere")
-        probe = Probe()
+        probe = ActorProbe()
         lane = attach(elsewhere, 6, probe)
         assert lane is not None and not lane.copy  # this host after all: its memory maps
         taken = lanes.take(6)
@@ -137,16 +137,16 @@ def test_no_lane_where_the_socket_cannot_be_reached() -> None:
     lanes = Lanes()
     address = lanes.address
     lanes.close()
-    assert attach(address, 1, Probe()) is None  # batches come through Ray instead
+    assert attach(address, 1, ActorProbe()) is None  # batches come through Ray instead
 
 
 def test_a_slot_is_mapped_once_and_a_reused_descriptor_refused() -> None:
     buffer = torch.zeros(1 << 16, dtype=torch.uint8).share_memory_()
-    ref = share(buffer)
+    ref = proc_fd(buffer)
     mapped = open_slot(ref)
     buffer[100] = 42
     assert int(mapped[100]) == 42 and mapped.numel() == 1 << 16
     with pytest.raises(OSError, match="not the actor's slot"):
-        open_slot(SlotRef(ref.pid, ref.fd, ref.inode + 1, ref.size))
+        open_slot(ProcFd(ref.pid, ref.fd, ref.inode + 1, ref.size))
     with pytest.raises(OSError):
-        open_slot(SlotRef(ref.pid, 10_000, ref.inode, ref.size))
+        open_slot(ProcFd(ref.pid, 10_000, ref.inode, ref.size))

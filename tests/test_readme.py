@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader.protos import compression
-from remote_loader.server.engine.backends import RAY_INSTALL
+from remote_loader.server.engine.choice import RAY_INSTALL
 from tests.conftest import ROOT, subprocess_env
 
 README = (ROOT / "README.md").read_text()

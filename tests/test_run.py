@@ -18,7 +18,7 @@ from remote_loader.server.batch.lease import SlotLease
 from remote_loader.server.config.sampling import EpochPlan, share
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import Engine
-from remote_loader.server.errors import ClosingError, DetachedError
+from remote_loader.server.errors import Closing, Detached
 from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.run import Consumer
@@ -205,7 +205,7 @@ def test_a_broadcast_consumer_that_reads_nothing_is_detached_after_detach_timeou
     first = stalled.next(NEVER)  # takes batch 0, then sends nothing
     assert first is not None
     assert read(reader) == tasks(30)  # held at most detach_timeout, then the rest
-    with pytest.raises(DetachedError, match=r"sent no batch for 0\.3 s \(detach_timeout\)"):
+    with pytest.raises(Detached, match=r"sent no batch for 0\.3 s \(detach_timeout\)"):
         stalled.next(NEVER)
     stalled.close()
 
@@ -311,7 +311,7 @@ def test_closing_a_run_fails_each_stream_with_the_reason_and_gives_the_engine_ba
     run.close("the server is going away")
     assert run.wait_closed(CEILING)  # its thread gave the engine back
     for consumer in ranks:
-        with pytest.raises(ClosingError, match="the server is going away"):
+        with pytest.raises(Closing, match="the server is going away"):
             consumer.next(NEVER)
         consumer.close()
     assert run.try_attach(Membership("partition", "job", 0, 2)) is None  # closed for good

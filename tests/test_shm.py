@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from remote_loader.client import RemoteLoader, assembly
+from remote_loader.client.types import Transport
 from remote_loader.protos import doorbell, shm, shm_probe, tcp
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.config.spec import LoaderSpec
@@ -253,7 +254,8 @@ def test_same_host_streams_go_through_shared_memory(
 ) -> None:
     sizes = [300_000] * 12
     served = serve_loaders(sizes_spec(sizes, num_workers))
-    for transport, way in (("auto", "shm"), ("grpc", "grpc")):
+    ways: tuple[tuple[Transport, str], ...] = (("auto", "shm"), ("grpc", "grpc"))
+    for transport, way in ways:
         with RemoteLoader(served.address, transport=transport) as loader:
             assert loader.last_transport is None
             assert_same(list(loader), expected(sizes))

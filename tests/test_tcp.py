@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 from remote_loader.client import RemoteLoader, TransportError
+from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
 from remote_loader.server.api.server import resolve_data_address
@@ -236,7 +237,7 @@ def test_broadcast_consumers_on_every_transport_get_the_same_batches(
     transports: dict[str, str | None] = {}
 
     def consume(name: str) -> None:
-        transport, rank = name[:-1], int(name[-1])
+        transport, rank = cast(Transport, name[:-1]), int(name[-1])
         with RemoteLoader(
             served.address,
             sharing="broadcast",

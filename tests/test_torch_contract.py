@@ -27,7 +27,7 @@ from remote_loader.server.config.spec import LoaderSpec, resolve
 from remote_loader.server.engine.backend import Event, Short
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.engine.seam import WorkerDiedError
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from tests import datasets
 from tests.conftest import ServeLoaders, assert_same, raw_stream
 from tests.test_parity import SEED, local_batches
@@ -73,7 +73,7 @@ def test_an_error_frame_names_the_class_torch_raises(
 def test_the_servers_own_errors_are_named_by_their_builtin_class() -> None:
     """A trainer does not import the server: a worker's death (WorkerDiedError) is named as
     the RuntimeError torch raises for one, and keeps its own name as its `type`."""
-    error = RemoteError.capture(WORKER_0, WorkerDiedError("worker 0 exited unexpectedly"))
+    error = CapturedError.capture(WORKER_0, WorkerDiedError("worker 0 exited unexpectedly"))
     assert (error.module, error.qualname, error.type) == (
         "builtins",
         "RuntimeError",
@@ -111,7 +111,7 @@ def test_a_broken_loader_sends_its_exception_in_the_trailer(
     assert failed.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.details()
     trailing = failed.trailing_metadata()
     assert reasons.reason_of(trailing) == reasons.LOADER_BROKEN
-    error = reasons.remote_error_of(trailing)
+    error = reasons.captured_error_of(trailing)
     assert error is not None
     assert (
         (error.module, error.qualname)
@@ -223,7 +223,7 @@ class _Backend:
 
 def _answer(worker_id: int, task_id: int) -> Result:
     """Worker `worker_id`'s Result for `task_id` (an error: no shared memory to map)."""
-    error = RemoteError(where="", type="", message="", traceback="")
+    error = CapturedError(where="", type="", message="", traceback="")
     return Result(worker_id, 0, task_id, error=error, incarnation=worker_id)
 
 

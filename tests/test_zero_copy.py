@@ -23,6 +23,7 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.client.errors import ConnectionLostError, DatasetError
+from remote_loader.client.types import Sharing
 from remote_loader.protos import shm, slots
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.transports.shm import ShmSender
@@ -382,7 +383,7 @@ def test_a_client_in_another_pid_namespace_gets_the_ring(serve_loaders: ServeLoa
 
 @pytest.mark.parametrize("sharing", ["partition", "broadcast"])
 def test_slots_go_back_to_the_workers_when_a_client_stops_mid_epoch(
-    serve_loaders: ServeLoaders, sharing: str
+    serve_loaders: ServeLoaders, sharing: Sharing
 ) -> None:
     # A client that leaves with batches leased (broadcast too, whose Run keeps its window for
     # the other consumers): the stream's end gives them back to the persistent pool, which

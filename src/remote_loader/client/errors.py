@@ -111,7 +111,7 @@ class DatasetError(RemoteLoaderError):
         return (DatasetError, (*parts, self.remote_traceback))
 
 
-def dataset_error(position: int, error: pb.RemoteError) -> DatasetError:
+def dataset_error(position: int, error: pb.CapturedError) -> DatasetError:
     """The DatasetError for batch `position`, which failed on the server with `error`: also of
     the original type, with torch's message, where this side has that type (NOTE [ Remote
     exception types ] in client/reraise.py); a plain one as before where it has not."""
@@ -231,7 +231,7 @@ def _error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
         if issubclass(kind, ServerError):  # says its status, as below
             return kind(f"{message} (status {code.name if code else 'unknown'})")
         if kind is LoaderBrokenError:
-            return broken_error(message, _remote_error(exc))
+            return broken_error(message, _captured_error(exc))
         return kind(message)
     # No reason (an older server, or an error of gRPC's): the status code says what it can.
     if code == grpc.StatusCode.NOT_FOUND:
@@ -252,7 +252,7 @@ def _error(exc: grpc.RpcError, what: str) -> RemoteLoaderError:
     return ServerError(f"{message} (status {code.name if code else 'unknown'})")
 
 
-def broken_error(message: str, error: pb.RemoteError | None) -> LoaderBrokenError:
+def broken_error(message: str, error: pb.CapturedError | None) -> LoaderBrokenError:
     """LoaderBrokenError, also of the type of the exception that broke the loader where the
     server sent it (reasons.ERROR_KEY) and this side has that type, as torch raises a failing
     worker_init_fn's exception as its own type (NOTE [ Remote exception types ])."""
@@ -263,19 +263,19 @@ def broken_error(message: str, error: pb.RemoteError | None) -> LoaderBrokenErro
     return reraise.raise_as(original, LoaderBrokenError, message, rebuild)
 
 
-def _remote_error(exc: grpc.RpcError) -> pb.RemoteError | None:
+def _captured_error(exc: grpc.RpcError) -> pb.CapturedError | None:
     if not isinstance(exc, grpc.Call):
         return None
     try:
-        return reasons.remote_error_of(exc.trailing_metadata())
+        return reasons.captured_error_of(exc.trailing_metadata())
     except Exception:  # a call that ended before any metadata: nothing was sent
         return None
 
 
-# Pickling a typed error (its class is made at run time) rebuilds it from the RemoteError.
+# Pickling a typed error (its class is made at run time) rebuilds it from the CapturedError.
 def _unpickle_dataset_error(position: int, error: bytes) -> DatasetError:
-    return dataset_error(position, pb.RemoteError.FromString(error))
+    return dataset_error(position, pb.CapturedError.FromString(error))
 
 
 def _unpickle_broken_error(message: str, error: bytes) -> LoaderBrokenError:
-    return broken_error(message, pb.RemoteError.FromString(error))
+    return broken_error(message, pb.CapturedError.FromString(error))

@@ -7,12 +7,10 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from remote_loader.client import connect
 from remote_loader.client.errors import LoaderNotFoundError
+from remote_loader.client.options import LoaderOptions
 from remote_loader.client.receiver import Item, Receiver
-from remote_loader.client.security import TLS
 from remote_loader.client.transports import StreamEnds, Transports
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
@@ -21,34 +19,16 @@ from remote_loader.protos.slots import SlotMaps
 
 
 class ServerLink:
-    """A RemoteLoader's connection to its server, with the options that say how batches come:
-    `transport`, `data_connections`, and where they go (`device`, pinned or not, received into
-    `buffers` on the CPU). Opens the channel; `close()` closes it."""
+    """A RemoteLoader's connection to its server, made with the loader's `options` (where the
+    server is, TLS and token, how calls are retried, how batches come: `transport`,
+    `data_connections`, and where they go: `device`, pinned or not), batches for the CPU
+    received into `buffers`. Opens the channel; `close()` closes it."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        tls: TLS | None,
-        token: str | None,
-        connect_timeout: float,
-        retries: int,
-        backoff: float,
-        transport: str,
-        data_connections: int | None,
-        device: torch.device,
-        pin: bool,
-        buffers: BufferPool | None,
-    ) -> None:
+    def __init__(self, options: LoaderOptions, buffers: BufferPool | None) -> None:
+        self.options = options
+        address, tls = options.address, options.tls
         self.address = address
         self.tls = tls
-        self.connect_timeout = connect_timeout
-        self.retries = retries
-        self.backoff = backoff
-        self._transport = transport
-        self._data_connections = data_connections
-        self._device = device
-        self._pin = pin
         self.buffers = buffers
         # The workers' slots this loader's streams have mapped (NOTE [ Zero-copy slots ] in
         # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
@@ -59,12 +39,12 @@ class ServerLink:
         # The data connections' TLS: the channel's CA, certificate, key (NOTE [ TLS data
         # connection ] in protos/tcp.py); made once, here, so a bad file fails at once.
         self._data_tls = tls.data_context() if tls is not None else None
-        if transport == "tcp" and tcp.target_host(address) is None:
+        if options.transport == "tcp" and tcp.target_host(address) is None:
             raise ValueError(
                 f'transport="tcp" needs an address naming one TCP host (HOST:PORT), got '
                 f"{address!r}: the data connections go to that host"
             )
-        self._channel, stubs = connect.open_stubs(address, tls, token)
+        self._channel, stubs = connect.open_stubs(address, tls, options.token)
         self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
 
     def describe(self, request: pb.DescribeRequest, what: str) -> pb.LoaderInfo:
@@ -93,9 +73,9 @@ class ServerLink:
             lambda timeout: method(request, timeout=timeout, wait_for_ready=False),
             what=what,
             address=self.address,
-            connect_timeout=self.connect_timeout,
-            retries=self.retries,
-            backoff=self.backoff,
+            connect_timeout=self.options.connect_timeout,
+            retries=self.options.retries,
+            backoff=self.options.backoff,
             hint=hint,
         )
 
@@ -128,35 +108,36 @@ class ServerLink:
             # (NOTE [ Waiting for the server ]); this call would wait for one without any.
             return self._stream(again, wait_for_ready=False)
 
+        options = self.options
         transports = Transports(
             what,
-            use_shm=self._transport == "auto",
+            use_shm=options.transport == "auto",
             # A TLS client's data connections speak TLS (NOTE [ TLS data connection ]).
             tcp_host=(
                 tcp.target_host(self.address)
-                if self._transport != "grpc" and not self._no_data_connection
+                if options.transport != "grpc" and not self._no_data_connection
                 else None
             ),
-            data_connections=self._data_connections,
+            data_connections=options.data_connections,
             on_tcp_failed=self._data_connection_failed,
             slot_maps=self.slot_maps,
             tcp_tls=self._data_tls,
             tcp_server_name=self.tls.server_name if self.tls is not None else None,
-            tcp_required=self._transport == "tcp",
+            tcp_required=options.transport == "tcp",
         )
         return Receiver(
             open_stream,
             out,
             transports=transports,
-            device=self._device,
-            pin=self._pin,
+            device=options.device,
+            pin=options.pin_memory,
             what=what,
             buffers=self.buffers,
             start=start,
-            retries=self.retries,
-            backoff=self.backoff,
+            retries=options.retries,
+            backoff=options.backoff,
             wait_ready=self._wait_ready,
-            connect_timeout=self.connect_timeout,
+            connect_timeout=options.connect_timeout,
         )
 
     def close(self) -> None:

@@ -9,21 +9,18 @@ from typing import Any
 
 import torch
 
-from remote_loader.client import connect, standins, surface
+from remote_loader.client import standins, surface
 from remote_loader.client import state as state_module
 from remote_loader.client.connect import DEFAULT_BACKOFF
+from remote_loader.client.described import Descriptions
 from remote_loader.client.epoch import EpochIterator, LoaderStats
 from remote_loader.client.errors import SpecChangedError
 from remote_loader.client.link import ServerLink
-from remote_loader.client.options import (
-    Membership,
-    check_options,
-    compression_codec,
-    resolve_device,
-)
+from remote_loader.client.options import LoaderOptions, resolve_options
 from remote_loader.client.receiver import Item, Receiver
-from remote_loader.client.security import TLS, resolve_tls, resolve_token
-from remote_loader.client.surface import DataLoaderSurface
+from remote_loader.client.security import TLS
+from remote_loader.client.surface import LoaderSurface
+from remote_loader.client.types import Compression, Sharing, Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.buffers import BufferPool
 
@@ -32,7 +29,7 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 5
 
 
-class RemoteLoader(DataLoaderSurface):
+class RemoteLoader(LoaderSurface):
     """Iterates a loader hosted by a remote-loader server, like a `torch.utils.data.DataLoader`.
 
     Args:
@@ -109,7 +106,7 @@ class RemoteLoader(DataLoaderSurface):
         *,
         rank: int | None = None,
         world_size: int | None = None,
-        sharing: str = "partition",
+        sharing: Sharing = "partition",
         job: str | None = None,
         seed: int | None = None,
         device: torch.device | str | None = None,
@@ -119,41 +116,33 @@ class RemoteLoader(DataLoaderSurface):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
-        transport: str = "auto",
+        transport: Transport = "auto",
         data_connections: int | None = None,
-        compression: str = "none",
+        compression: Compression = "none",
         token: str | None = None,
         tls: bool | TLS | None = None,
     ) -> None:
-        connect.check_address(address)
-        check_options(
+        self._options, self._members = options, members = resolve_options(
+            address,
+            rank=rank,
+            world_size=world_size,
             sharing=sharing,
             job=job,
             seed=seed,
+            device=device,
+            pin_memory=pin_memory,
             prefetch=prefetch,
             timeout=timeout,
+            connect_timeout=connect_timeout,
             retries=retries,
             backoff=backoff,
             transport=transport,
             data_connections=data_connections,
+            compression=compression,
+            token=token,
+            tls=tls,
         )
-        self.compression = compression_codec(compression)
-        self._members = Membership(rank, world_size)
-        self.sharing = sharing
-        # The server's name for the job an empty one means, so that state_dict() says what the
-        # server's logs and metrics do.
-        self.job = job or state_module.DEFAULT_JOB
-        self.address = address
-        self.seed = seed
-        self.device = resolve_device(device)
-        self._pin_memory = bool(pin_memory) and self.device.type == "cuda"
-        self.prefetch = prefetch
-        self._timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.transport = transport
-        self.data_connections = data_connections
+        self._seed = seed
         self._cursor = state_module.Cursor()
         self._iterator: EpochIterator | None = None
         # The dataset's len() when len(loader) was last asked of an IterableDataset's loader:
@@ -162,55 +151,25 @@ class RemoteLoader(DataLoaderSurface):
         # Batches for the CPU are received into reused buffers (NOTE [ Reused buffers ] in
         # protos/buffers.py): enough for the prefetched batches, the one being received, and the
         # loop's current and previous ones. Pinned memory is torch's allocator's to cache.
-        self._buffers = BufferPool(keep=prefetch + 4) if self.device.type == "cpu" else None
+        self._buffers = BufferPool(keep=prefetch + 4) if options.device.type == "cpu" else None
         self._closed = False
-        self.tls = resolve_tls(tls)
-        self._link = ServerLink(
-            address,
-            tls=self.tls,
-            token=resolve_token(token),
-            connect_timeout=connect_timeout,
-            retries=retries,
-            backoff=backoff,
-            transport=transport,
-            data_connections=data_connections,
-            device=self.device,
-            pin=self._pin_memory,
-            buffers=self._buffers,
-        )
+        self._link = ServerLink(options, self._buffers)
         self._slot_maps = self._link.slot_maps
-        # Describe's answers by membership (LoaderInfo.length is the consumer's). A consumer
-        # whose rank is not known yet is described as rank 0 of 1 for what does not depend on
-        # it; its first iter() describes it again.
-        self._infos: dict[tuple[int, int], pb.LoaderInfo] = {}
-        self._first = self._members.known() or (0, 1)
         try:
             self.name = loader if loader is not None else self._link.only_loader()
-            self._described(self._first)
+            self._described = Descriptions(self._link, self.name, options, members)
         except BaseException:
             self._link.close()
             raise
         self._stand_in(address, self.set_epoch, lambda: self.epoch, self._samples, self.__len__)
 
-    # --- membership ------------------------------------------------------------------------
-
-    def _consumer(self, members: tuple[int, int]) -> pb.Consumer:
-        rank, world_size = members
-        return pb.Consumer(sharing=self.sharing, job=self.job, rank=rank, world_size=world_size)
-
-    def _described(self, members: tuple[int, int]) -> pb.LoaderInfo:
-        """Describe's answer to this loader's consumer as (rank, world_size) `members`."""
-        info = self._infos.get(members)
-        if info is None:
-            request = pb.DescribeRequest(loader=self.name, consumer=self._consumer(members))
-            info = self._infos[members] = self._link.describe(request, "describing the loader")
-        return info
+    # --- the consumer, and what it was given ------------------------------------------------
 
     @property
     def info(self) -> pb.LoaderInfo:
         """What the server said of the loader (Describe): to this consumer once its first
         `iter()` has fixed its rank, before then as it was first described."""
-        return self._infos[self._members.fixed or self._first]
+        return self._described.info
 
     @property
     def rank(self) -> int:
@@ -223,18 +182,17 @@ class RemoteLoader(DataLoaderSurface):
         """The job's size: as given, else the job's, read afresh until the first `iter()`."""
         return self._members.current()[1]
 
-    # --- DataLoader surface (the rest: client/surface.py) ---------------------------------
+    @property
+    def options(self) -> LoaderOptions:
+        """What was given to the constructor, checked and with its defaults resolved (the
+        read-only attributes `address`, `sharing`, `job`, `device`, ...: client/surface.py)."""
+        return self._options
 
     @property
-    def pin_memory(self) -> bool:
-        """Whether batches are received into pinned memory (only where they go to CUDA)."""
-        return self._pin_memory
-
-    @property
-    def timeout(self) -> float:
-        """Seconds `next()` waits for a batch (the `timeout` argument), 0 for no bound, as a
-        DataLoader's `timeout` says."""
-        return self._timeout if self._timeout is not None else 0
+    def seed(self) -> int | None:
+        """The seed that overrides the loader's (None: the loader's own); a load_state_dict()
+        sets the state's."""
+        return self._seed
 
     @property
     def last_transport(self) -> str | None:
@@ -259,7 +217,7 @@ class RemoteLoader(DataLoaderSurface):
     def _samples(self) -> int:
         """len(sampler): the samples this consumer receives per epoch."""
         members = self._members.current()
-        info = self._described(members)
+        info = self._described.of(members)
         return standins.sampler_length(info, self.sharing, members[1], self.__len__)
 
     def __len__(self) -> int:
@@ -268,29 +226,16 @@ class RemoteLoader(DataLoaderSurface):
         resharded = self._cursor.resharded_length(self._reading() is not None)
         if resharded is not None:
             return resharded
-        if self.sharing == "dynamic":
-            raise TypeError(
-                "len() is unknown with sharing='dynamic': how many batches this consumer "
-                "receives depends on how fast the job's other consumers take theirs"
-            )
-        info = self._described(self._members.current())
-        if not info.has_length:
-            # The server refuses a map-style dataset whose __len__ raises: a map-style loader
-            # without a length has a sampler (or batch_sampler) without one.
-            why = (
-                "its dataset is an IterableDataset without __len__"
-                if info.dataset_kind == "iterable"
-                else "its dataset is map-style, but its sampler or batch_sampler has no __len__"
-            )
-            raise TypeError(f"loader {self.name!r} has no len(): {why}")
-        if info.dataset_kind == "iterable" and info.HasField("dataset_length"):
+        info = None if self.sharing == "dynamic" else self._described.of(self._members.current())
+        length = surface.loader_length(self.name, info)  # TypeError where there is none
+        if info is not None and info.dataset_kind == "iterable" and info.HasField("dataset_length"):
             self._len_called = int(info.dataset_length)
-        return int(info.length)
+        return length
 
     def __iter__(self) -> EpochIterator:
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
-        self._described(self._members.fix())  # the rank, from the job, before any stream
+        self._described.of(self._members.fix())  # the rank, from the job, before any stream
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
         surface.reissue_warnings(self.info, stacklevel=2)
@@ -305,7 +250,7 @@ class RemoteLoader(DataLoaderSurface):
             self._begin,
             lambda: (self._cursor.epoch, self._cursor.start),
             self.prefetch,
-            self._timeout,
+            self._options.timeout,
             self.__len__,
             overlength,
         )
@@ -320,7 +265,7 @@ class RemoteLoader(DataLoaderSurface):
         request = pb.StreamRequest(
             loader=self.name,
             epoch=epoch,
-            consumer=self._consumer(self._members.fix()),
+            consumer=self._described.consumer(self._members.fix()),
             fingerprint=self.info.fingerprint,
             compression=self.compression,
         )
@@ -399,7 +344,7 @@ class RemoteLoader(DataLoaderSurface):
                 f"the state is of loader {state['loader']!r}, this RemoteLoader reads {self.name!r}"
             )
         members = self._members.fix()  # the position is this rank's from now on
-        self._described(members)
+        self._described.of(members)
         point = state_module.resume_point(state, self.sharing, self.job, *members)
         if state["fingerprint"] != self.info.fingerprint:
             raise SpecChangedError(
@@ -413,7 +358,7 @@ class RemoteLoader(DataLoaderSurface):
             # says how many batches this rank's share of the epoch's rest holds, for len().
             asked = pb.DescribeRequest(
                 loader=self.name,
-                consumer=self._consumer(members),
+                consumer=self._described.consumer(members),
                 epoch=point.epoch,
                 seed=point.seed,
                 reshard=state_module.reshard_message(point.reshard),
@@ -422,7 +367,7 @@ class RemoteLoader(DataLoaderSurface):
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
-        self.seed = point.seed
+        self._seed = point.seed
         self._cursor.resume(point, length)
 
     # --- statistics ----------------------------------------------------------------------

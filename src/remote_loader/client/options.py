@@ -1,31 +1,91 @@
-"""RemoteLoader's option rules: what each argument accepts, with an error that says what was
-wrong and what to pass instead, and the defaults it takes from its surroundings (the job
-membership from torch.distributed or RANK / WORLD_SIZE, the CUDA device)."""
+"""RemoteLoader's options: what each argument accepts, with an error that says what was
+wrong and what to pass instead; the defaults it takes from its surroundings (the job
+membership from torch.distributed or RANK / WORLD_SIZE, the CUDA device); and LoaderOptions,
+the arguments once checked and resolved, which the loader reads through read-only attributes
+(FromOptions) and hands to what it builds."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, overload
 
 import torch
 
+from remote_loader.client import connect
 from remote_loader.client.errors import RemoteLoaderError
+from remote_loader.client.security import TLS, resolve_tls, resolve_token
+from remote_loader.client.state import DEFAULT_JOB
+from remote_loader.client.types import SHARING_MODES, TRANSPORTS, Compression, Sharing, Transport
 from remote_loader.protos import compression as compression_module
 from remote_loader.protos import tcp
 
-SHARING_MODES = ("partition", "broadcast", "dynamic")
-TRANSPORTS = ("auto", "tcp", "grpc")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """A RemoteLoader's arguments, checked (check_options) and resolved: the job's name for
+    none, the device, TLS and the token. Made once by RemoteLoader.__init__, read through its
+    read-only attributes, and handed whole to what it builds (ServerLink, which makes each
+    epoch's Transports and Receiver from it). Not here: the rank and world size, read from the
+    job until the first stream (JobRank), and the seed, which load_state_dict sets."""
+
+    address: str
+    sharing: Sharing
+    job: str
+    device: torch.device
+    pin_memory: bool  # asked for, and the batches go to CUDA
+    prefetch: int
+    timeout: float | None
+    connect_timeout: float
+    retries: int
+    backoff: float
+    transport: Transport
+    data_connections: int | None
+    compression: str  # the codec: "lz4", "zstd", or "" for none
+    tls: TLS | None
+    token: str | None = dataclasses.field(default=None, repr=False)
+
+
+class HasOptions(Protocol):
+    @property
+    def options(self) -> LoaderOptions: ...
+
+
+class FromOptions(Generic[T]):
+    """A read-only attribute of a RemoteLoader: its LoaderOptions' field of the same name."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> FromOptions[T]: ...
+    @overload
+    def __get__(self, loader: HasOptions, owner: type) -> T: ...
+    def __get__(self, loader: HasOptions | None, owner: type) -> FromOptions[T] | T:
+        return self if loader is None else cast(T, getattr(loader.options, self._name))
+
+    def __set__(self, loader: HasOptions, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"{self._name} was given to RemoteLoader(...) and cannot be changed: make a new "
+            "RemoteLoader with the value you want"
+        )
 
 
 def check_options(
     *,
-    sharing: str,
+    sharing: Sharing,
     job: str | None,
     seed: int | None,
     prefetch: int,
     timeout: float | None,
     retries: int,
     backoff: float,
-    transport: str,
+    transport: Transport,
     data_connections: int | None,
 ) -> None:
     """Raises ValueError / TypeError for the first argument of RemoteLoader that is not one it
@@ -56,6 +116,67 @@ def check_options(
         raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
     if job is not None and not isinstance(job, str):
         raise TypeError(f"job must be a string or None, got {type(job).__name__}")
+
+
+def resolve_options(
+    address: str,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    sharing: Sharing,
+    job: str | None,
+    seed: int | None,
+    device: torch.device | str | None,
+    pin_memory: bool,
+    prefetch: int,
+    timeout: float | None,
+    connect_timeout: float,
+    retries: int,
+    backoff: float,
+    transport: Transport,
+    data_connections: int | None,
+    compression: Compression,
+    token: str | None,
+    tls: bool | TLS | None,
+) -> tuple[LoaderOptions, JobRank]:
+    """RemoteLoader's arguments checked (the first wrong one raises, in the order of old) and
+    resolved: its LoaderOptions, and its JobRank (the rank and world size, read from the job
+    until its first stream)."""
+    connect.check_address(address)
+    check_options(
+        sharing=sharing,
+        job=job,
+        seed=seed,
+        prefetch=prefetch,
+        timeout=timeout,
+        retries=retries,
+        backoff=backoff,
+        transport=transport,
+        data_connections=data_connections,
+    )
+    codec = compression_codec(compression)
+    members = JobRank(rank, world_size)
+    resolved = resolve_device(device)
+    options = LoaderOptions(
+        address=address,
+        sharing=sharing,
+        # The server's name for the job an empty one means, so that state_dict() says what the
+        # server's logs and metrics do.
+        job=job or DEFAULT_JOB,
+        device=resolved,
+        pin_memory=bool(pin_memory) and resolved.type == "cuda",
+        prefetch=prefetch,
+        timeout=timeout,
+        connect_timeout=connect_timeout,
+        retries=retries,
+        backoff=backoff,
+        transport=transport,
+        data_connections=data_connections,
+        compression=codec,
+        tls=resolve_tls(tls),
+        token=resolve_token(token),
+    )
+    return options, members
 
 
 def compression_codec(compression: str) -> str:
@@ -112,7 +233,7 @@ def membership(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-class Membership:
+class JobRank:
     """A consumer's (rank, world_size): the arguments, and the job's values (`membership`) for
     those not given, read afresh at each use until `fix()` keeps them for good. A loader is
     often made before its job's launcher or torch.distributed has said who it is (in a

@@ -4,7 +4,7 @@ raises a worker's (`ExceptionWrapper.reraise` in torch/_utils.py), and as this c
 NOTE [ Remote exception types ]
 
 The server names the class of an exception that failed a batch, or broke the loader
-(RemoteError.module and .qualname). The client raises an instance of a class made here, once
+(CapturedError.module and .qualname). The client raises an instance of a class made here, once
 per (original class, client error class):
 
     class ValueError(builtins.ValueError, _Typed<DatasetError>): ...

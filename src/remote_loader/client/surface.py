@@ -1,5 +1,6 @@
-"""What scripts read of a DataLoader, on a RemoteLoader: the attributes (its base class,
-read-only, as the server's loader has them), and the warnings torch would give here."""
+"""What scripts read of a RemoteLoader: the attributes (its base class, read-only: a
+DataLoader's, as the server's loader has them, and its own arguments, as given), and the
+warnings torch would give here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, overload
 
+import torch
+
+from remote_loader.client.options import FromOptions, LoaderOptions
+from remote_loader.client.security import TLS
 from remote_loader.client.standins import (
     RemoteBatchSampler,
     RemoteIterableDataset,
@@ -19,6 +24,7 @@ from remote_loader.client.standins import (
     refuse_rebuild,
     remote_dataset,
 )
+from remote_loader.client.types import Sharing, Transport
 from remote_loader.protos import loader_pb2 as pb
 
 T = TypeVar("T")
@@ -87,16 +93,47 @@ class OnServer:
         )
 
 
-class DataLoaderSurface:
-    """The attributes scripts read of a torch DataLoader, as RemoteLoader's server has them:
-    read-only, from what Describe said (`info`, the loader's), with stand-ins for the dataset and
-    samplers (client/standins.py), made by `_stand_in` once the loader is described."""
+class LoaderSurface:
+    """The attributes scripts read of a RemoteLoader, all read-only: a torch DataLoader's, as
+    the server's loader has them, from what Describe said (`info`, the loader's), with
+    stand-ins for the dataset and samplers (client/standins.py), made by `_stand_in` once the
+    loader is described; and the loader's own arguments, checked and resolved (`options`,
+    client/options.py)."""
 
     name: str  # the loader's, on its server
 
     @property
     def info(self) -> pb.LoaderInfo:
         raise NotImplementedError
+
+    @property
+    def options(self) -> LoaderOptions:
+        raise NotImplementedError
+
+    address = FromOptions[str]("The server, as given.")
+    sharing = FromOptions[Sharing]("How the job's consumers share an epoch.")
+    job = FromOptions[str]("The job's name (the server's default when none was given).")
+    device = FromOptions[torch.device]("Where batches' tensors go (a CUDA device with its index).")
+    prefetch = FromOptions[int]("Decoded batches held ready ahead of the training loop.")
+    connect_timeout = FromOptions[float]("Seconds one attempt waits for a silent server.")
+    retries = FromOptions[int]("Resumes of a broken stream in a row before its error is raised.")
+    backoff = FromOptions[float]("Seconds before the first resume; doubled per attempt.")
+    transport = FromOptions[Transport]("How batches travel: auto, tcp or grpc.")
+    data_connections = FromOptions[int | None]("TCP data connections per stream (None: auto).")
+    compression = FromOptions[str]('The codec the batches come compressed with; "" for none.')
+    tls = FromOptions[TLS | None]("The TLS the connection speaks; None: plaintext.")
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether batches are received into pinned memory (only where they go to CUDA)."""
+        return self.options.pin_memory
+
+    @property
+    def timeout(self) -> float:
+        """Seconds `next()` waits for a batch (the `timeout` argument), 0 for no bound, as a
+        DataLoader's `timeout` says."""
+        timeout = self.options.timeout
+        return timeout if timeout is not None else 0
 
     def _stand_in(
         self,
@@ -163,6 +200,26 @@ class DataLoaderSurface:
     )
     collate_fn = OnServer()
     worker_init_fn = OnServer()
+
+
+def loader_length(name: str, info: pb.LoaderInfo | None) -> int:
+    """len() of loader `name`: the batches its consumer receives per epoch, as Describe said
+    (`info`; None for sharing="dynamic"). TypeError, saying why, where it has none."""
+    if info is None:
+        raise TypeError(
+            "len() is unknown with sharing='dynamic': how many batches this consumer "
+            "receives depends on how fast the job's other consumers take theirs"
+        )
+    if not info.has_length:
+        # The server refuses a map-style dataset whose __len__ raises: a map-style loader
+        # without a length has a sampler (or batch_sampler) without one.
+        why = (
+            "its dataset is an IterableDataset without __len__"
+            if info.dataset_kind == "iterable"
+            else "its dataset is map-style, but its sampler or batch_sampler has no __len__"
+        )
+        raise TypeError(f"loader {name!r} has no len(): {why}")
+    return int(info.length)
 
 
 def reissue_warnings(info: pb.LoaderInfo, stacklevel: int) -> None:

@@ -98,7 +98,7 @@ class PoolInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "direct")
+    __slots__ = ("loader", "epoch", "seed", "consumer", "start", "fingerprint", "shm", "tcp", "reshard", "compression", "data_connections", "node_fetch")
     LOADER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -110,7 +110,7 @@ class StreamRequest(_message.Message):
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
-    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FETCH_FIELD_NUMBER: _ClassVar[int]
     loader: str
     epoch: int
     seed: int
@@ -122,8 +122,8 @@ class StreamRequest(_message.Message):
     reshard: Reshard
     compression: str
     data_connections: int
-    direct: bool
-    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
+    node_fetch: bool
+    def __init__(self, loader: _Optional[str] = ..., epoch: _Optional[int] = ..., seed: _Optional[int] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., start: _Optional[int] = ..., fingerprint: _Optional[str] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., tcp: _Optional[bool] = ..., reshard: _Optional[_Union[Reshard, _Mapping]] = ..., compression: _Optional[str] = ..., data_connections: _Optional[int] = ..., node_fetch: _Optional[bool] = ...) -> None: ...
 
 class Reshard(_message.Message):
     __slots__ = ("world_size", "consumed", "origin")
@@ -211,7 +211,7 @@ class ShmSlot(_message.Message):
     generation: int
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class RemoteError(_message.Message):
+class CapturedError(_message.Message):
     __slots__ = ("where", "type", "message", "traceback", "module", "qualname")
     WHERE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -253,7 +253,7 @@ class Frame(_message.Message):
     parts: int
     total_bytes: int
     header_bytes: int
-    error: RemoteError
+    error: CapturedError
     end: StreamEnd
     shm: ShmBatch
     tcp_channel: TcpChannel
@@ -261,7 +261,7 @@ class Frame(_message.Message):
     node_channel: NodeChannel
     node: NodeBatch
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., node_channel: _Optional[_Union[NodeChannel, _Mapping]] = ..., node: _Optional[_Union[NodeBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[CapturedError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., node_channel: _Optional[_Union[NodeChannel, _Mapping]] = ..., node: _Optional[_Union[NodeBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")

@@ -22,7 +22,7 @@ tf.data service clients read from its workers.
                                  its watcher there (HELLO, then a
                                  WATCH request): the node's
                                  events come on it
-    StreamRequest.direct = true  per stream: a nonce, its ticket
+    StreamRequest.node_fetch     per stream: a nonce, its ticket
                                  = nonce + HMAC(key, nonce);
                                  Frame.node_channel (host, port,
                                  ticket, connections) for each
@@ -69,8 +69,9 @@ its queue is full: a paused training loop is not a lost trainer, tcp.send's rule
 when the trainer closes its connections.
 
 The watcher is a connection of the server's own, read by a thread of its own
-(server/batch/remote.py), not the actor's lane: the lane is read when the pool waits for results,
-and a pool with every slot held by trainers waits for nothing until those trainers' SERVED come.
+(server/batch/node_directory.py), not the actor's lane: the lane is read when the pool waits for
+results, and a pool with every slot held by trainers waits for nothing until those trainers' SERVED
+come.
 
 Why a nonce and an HMAC: the ticket reaches the trainer only inside its Stream call, which
 passed the token check, so a node connection is as authorized as its stream; the actor checks
@@ -87,7 +88,7 @@ the server. A node the server cannot watch is taken as lost. A server told not t
 (`[server] ray_node_fetch = false`: COPY lanes), one serving TLS (these connections are not
 encrypted), a broadcast job, or a client that does not ask, never names a node: the bytes then
 cross the server as before. An actor lost with batches on its node: NOTE [ Node lost ] in
-server/batch/remote.py.
+server/batch/node_directory.py.
 
 A connection that breaks mid-batch, or a slot reused under a read (STALE), breaks the stream,
 which the client resumes from that batch as after any data connection break. So does a node
@@ -137,9 +138,9 @@ PUSH = struct.Struct("!16sIQQQ")
 # (a trainer's); without it, each is asked for with a REQUEST (the server's own fetches).
 PUSHED = 0x80
 REACHED, SERVED = b"R", b"S"
-# A batch made again for the server (NOTE [ Node lost ] in server/batch/remote.py): REMADE (slot:
-# the remake's id, generation: its size, bytes: its header's), or UNMADE (it failed); the server
-# fetches it once from slot REMADE_SLOTS + id.
+# A batch made again for the server (NOTE [ Node lost ] in server/batch/node_directory.py): REMADE
+# (slot: the remake's id, generation: its size, bytes: its header's), or UNMADE (it failed); the
+# server fetches it once from slot REMADE_SLOTS + id.
 REMADE, UNMADE = b"M", b"U"
 REMADE_SLOTS = 0x80000000
 OK = tcp.ACK

@@ -24,9 +24,9 @@ Reasons are lower-case words joined by "-", at most REASON_LIMIT characters; a c
 one it does not know (a newer server) falls back to the status code.
 
 A loader that cannot make any batch (LOADER_BROKEN: its dataset factory or worker_init_fn raised
-in the workers) also sends the exception itself under ERROR_KEY: a serialized RemoteError (the
+in the workers) also sends the exception itself under ERROR_KEY: a serialized CapturedError (the
 message an error Frame carries, module and qualname included), so the client can raise it as
-its own type, as torch's DataLoader re-raises a worker's exception (`remote_error_of`). Its
+its own type, as torch's DataLoader re-raises a worker's exception (`captured_error_of`). Its
 message and traceback, and the status details, are clipped in the middle (server/api/status.py) so
 the whole trailer stays under gRPC's default 8 KiB metadata limit: past it, the client would
 see RESOURCE_EXHAUSTED instead of the error. A client that does not know the key ignores it.
@@ -44,7 +44,7 @@ from remote_loader.protos import loader_pb2 as pb
 REASON_KEY = "rl-reason"
 # A reason longer than this is not one of ours: ignored, the status code decides.
 REASON_LIMIT = 64
-# The trailing-metadata key of a broken loader's original exception: a serialized RemoteError
+# The trailing-metadata key of a broken loader's original exception: a serialized CapturedError
 # (binary: gRPC requires such keys to end in "-bin").
 ERROR_KEY = "rl-error-bin"
 
@@ -123,14 +123,16 @@ def reason_of(trailing: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     return None
 
 
-def remote_error_of(trailing: Sequence[tuple[str, str | bytes]] | None) -> pb.RemoteError | None:
+def captured_error_of(
+    trailing: Sequence[tuple[str, str | bytes]] | None,
+) -> pb.CapturedError | None:
     """The exception a call's trailing metadata carries under ERROR_KEY; None if it has none
     (an older server, another kind of error) or it does not decode."""
     for key, value in trailing or ():
         if key != ERROR_KEY or not isinstance(value, bytes):
             continue
         try:
-            return pb.RemoteError.FromString(value)
+            return pb.CapturedError.FromString(value)
         except DecodeError:
             return None
     return None

@@ -1,27 +1,31 @@
 """The errors a call can end with, one tree with one mapping to gRPC status codes.
 
-Every error the service reports to a client is a `ServerError`; its class names the status
+Every error the service reports to a client is a `CallFailed`; its class names the status
 (`status`, a grpc.StatusCode name, so this module needs no gRPC and the worker side can import
 it) and its kind (`reason`, sent in the call's trailing metadata: NOTE [ Error reasons ] in
 protos/reasons.py), and its message is the status details. The service maps them in one place
 (service._statuses): anything else that escapes a call is a bug, reported as INTERNAL.
+
+Names: each class below the root is its reason code in CamelCase (`loader-broken`:
+LoaderBroken), the word the client's logs and metadata carry, with no suffix; the client's own
+classes (client/errors.py, public) end in Error and are named apart (LoaderBrokenError).
 
 Control flow that is not an error of the call stays outside the tree: StreamStopped (the
 client went while the server waited on it) and BorrowAbandoned (a Run closed before it got its
 engine) are caught where they are raised.
 
     class (status, reason)
-    ServerError (INTERNAL, internal)
-    +-- RequestInvalid (INVALID_ARGUMENT, invalid-request)
-    |   +-- SharingError (sharing-refused)   a sharing mode, rank or world_size refused
+    CallFailed (INTERNAL, internal)
+    +-- InvalidRequest (INVALID_ARGUMENT, invalid-request)
+    |   +-- SharingRefused (sharing-refused)    a sharing mode, rank or world_size refused
     +-- LoaderNotFound (NOT_FOUND, loader-not-found)
     |   +-- LoaderNotNamed (loader-not-named)   several loaders, and the request named none
-    +-- LoaderBrokenError (FAILED_PRECONDITION, loader-broken)   no batch can be made
-    +-- SpecChanged (FAILED_PRECONDITION, spec-changed)   a resume against another spec
-    +-- Overloaded (RESOURCE_EXHAUSTED, server-busy)      max_streams reached
-    +-- DetachedError (ABORTED, detached)       a stalled broadcast consumer was let go
+    +-- LoaderBroken (FAILED_PRECONDITION, loader-broken)   no batch can be made
+    +-- SpecChanged (FAILED_PRECONDITION, spec-changed)     a resume against another spec
+    +-- ServerBusy (RESOURCE_EXHAUSTED, server-busy)        max_streams reached
+    +-- Detached (ABORTED, detached)        a stalled broadcast consumer was let go
     +-- Unavailable (UNAVAILABLE, unavailable)  retry: the client resumes where it was
-        +-- ClosingError (closing)          the server is shutting down mid-epoch, or draining
+        +-- Closing (closing)               the server is shutting down mid-epoch, or draining
         +-- ClientSilent (client-silent)    the client's heartbeat stood still (frozen or gone)
         +-- DataConnectionLost (data-connection-lost)   the data connection broke mid-batch
 """
@@ -49,8 +53,10 @@ def clip(value: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteError:
-    """An exception raised on the server, carried as a value to where it is consumed.
+class CapturedError:
+    """An exception raised on the server, captured where it was raised (as torch's
+    ExceptionWrapper) and carried as a value to where it is consumed: a batch's position in its
+    stream (the wire's CapturedError), or the Run's `fatal` error (LoaderBroken).
 
     `module` and `qualname` name the exception's class (`builtins` / `ValueError`), so the
     trainer can raise it as its own type, as torch's ExceptionWrapper.reraise does. For one of
@@ -67,7 +73,7 @@ class RemoteError:
     qualname: str = ""
 
     @classmethod
-    def capture(cls, where: str, exc: BaseException) -> RemoteError:
+    def capture(cls, where: str, exc: BaseException) -> CapturedError:
         text = "".join(traceback.format_exception(exc))
         kind = type(exc)
         if kind.__module__.startswith("remote_loader."):
@@ -84,7 +90,7 @@ class RemoteError:
         )
 
 
-class ServerError(Exception):
+class CallFailed(Exception):
     """An error a call ends with; `status` names its gRPC status code."""
 
     status: ClassVar[str] = "INTERNAL"
@@ -92,20 +98,20 @@ class ServerError(Exception):
     reason: ClassVar[str] = reasons.INTERNAL
 
 
-class RequestInvalid(ServerError, ValueError):
+class InvalidRequest(CallFailed, ValueError):
     """A request field out of its range, or an option the loader does not allow."""
 
     status = "INVALID_ARGUMENT"
     reason = reasons.INVALID_REQUEST
 
 
-class SharingError(RequestInvalid):
+class SharingRefused(InvalidRequest):
     """A consumer asked for something the loader does not allow."""
 
     reason = reasons.SHARING_REFUSED
 
 
-class LoaderNotFound(ServerError):
+class LoaderNotFound(CallFailed):
     status = "NOT_FOUND"
     reason = reasons.LOADER_NOT_FOUND
 
@@ -118,46 +124,46 @@ class LoaderNotNamed(LoaderNotFound):
     reason = reasons.LOADER_NOT_NAMED
 
 
-class LoaderBrokenError(ServerError):
+class LoaderBroken(CallFailed):
     """The loader cannot make any batch: the dataset factory or the worker_init_fn raised in
-    its workers. The message carries the original traceback; `remote`, the exception itself,
+    its workers. The message carries the original traceback; `original`, the exception itself,
     goes in the trailing metadata too (ERROR_KEY, NOTE [ Error reasons ])."""
 
     status = "FAILED_PRECONDITION"
     reason = reasons.LOADER_BROKEN
 
-    def __init__(self, message: str, remote: RemoteError | None = None) -> None:
+    def __init__(self, message: str, original: CapturedError | None = None) -> None:
         super().__init__(message)
-        self.remote = remote
+        self.original = original
 
 
-class SpecChanged(ServerError):
+class SpecChanged(CallFailed):
     """The consumer's saved state names another spec (fingerprint): resuming would misalign."""
 
     status = "FAILED_PRECONDITION"
     reason = reasons.SPEC_CHANGED
 
 
-class Overloaded(ServerError):
+class ServerBusy(CallFailed):
     status = "RESOURCE_EXHAUSTED"
     reason = reasons.SERVER_BUSY
 
 
-class DetachedError(ServerError):
+class Detached(CallFailed):
     """This consumer was detached from its Run: it held the others back too long."""
 
     status = "ABORTED"
     reason = reasons.DETACHED
 
 
-class Unavailable(ServerError):
+class Unavailable(CallFailed):
     """Try again: the client's receiver resumes the stream from the batch it was missing."""
 
     status = "UNAVAILABLE"
     reason = reasons.UNAVAILABLE
 
 
-class ClosingError(Unavailable):
+class Closing(Unavailable):
     """The server is draining, or shutting down mid-epoch: never a normal end."""
 
     reason = reasons.CLOSING

@@ -159,7 +159,7 @@ class StreamEnds:
         if offer is not None:
             request.shm.CopyFrom(offer)
         request.tcp = self._tcp.asked
-        request.direct = True  # NOTE [ Node data connection ]: the server decides per batch
+        request.node_fetch = True  # NOTE [ Node data connection ]: the server decides per batch
         if self._tcp.asked:
             request.data_connections = self._tcp.connections
 

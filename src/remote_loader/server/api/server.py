@@ -41,6 +41,7 @@ from remote_loader.server.engine.forkserver import (
     start_fork_server,
 )
 from remote_loader.server.engine.kept import KeptPools
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.metrics import MetricsServer
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.transports import DataListener
@@ -80,11 +81,7 @@ class Server:
         check_address_free(self.settings.address)
         self.hosts = build_hosts(
             specs,
-            max_batch_bytes=self.settings.max_batch_bytes,
-            ray_address=self.settings.ray_address,
-            ray_direct=self.settings.ray_direct,
-            # NOTE [ Node data connection ]: the node connections are not encrypted.
-            ray_node_fetch=self.settings.ray_node_fetch and self.settings.tls_cert is None,
+            pool_options=self.settings.pool_options(),
             metrics_max_consumers=self.settings.metrics_max_consumers,
         )
         try:
@@ -204,14 +201,12 @@ def build_hosts(
     specs: Mapping[str, LoaderSpec],
     ctx: multiprocessing.context.BaseContext | None = None,
     *,
-    max_batch_bytes: int = ServerSettings.max_batch_bytes,
-    ray_address: str | None = None,
-    ray_direct: bool = ServerSettings.ray_direct,
-    ray_node_fetch: bool = ServerSettings.ray_node_fetch,
+    pool_options: PoolOptions | None = None,
     metrics_max_consumers: int = ServerSettings.metrics_max_consumers,
 ) -> dict[str, LoaderHost]:
-    """Builds and starts every loader (datasets, option checks, persistent workers); without
-    `ctx`, starts the fork server in between, once the datasets are built, preloading what
+    """Builds and starts every loader (datasets, option checks, persistent workers), their pools
+    made with `pool_options` (the server's settings, made once: ServerSettings.pool_options);
+    without `ctx`, starts the fork server in between, once the datasets are built, preloading what
     they imported (NOTE [ Fork server preload ] in server/engine/forkserver.py)."""
     before = set(sys.modules)
     start = ctx is None
@@ -223,10 +218,7 @@ def build_hosts(
             hosts[name] = LoaderHost(
                 spec,
                 ctx,
-                max_batch_bytes=max_batch_bytes,
-                ray_address=ray_address,
-                ray_direct=ray_direct,
-                ray_node_fetch=ray_node_fetch,
+                pool_options=pool_options,
                 metrics_max_consumers=metrics_max_consumers,
                 kept=kept,
             )

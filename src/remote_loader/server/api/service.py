@@ -31,12 +31,12 @@ from remote_loader.server.api.validation import (
     decoded,
 )
 from remote_loader.server.errors import (
-    ClosingError,
+    CallFailed,
+    Closing,
+    InvalidRequest,
     LoaderNotFound,
     LoaderNotNamed,
-    Overloaded,
-    RequestInvalid,
-    ServerError,
+    ServerBusy,
     SpecChanged,
     clip,
 )
@@ -105,7 +105,7 @@ class LoaderService:
 
     def _refuse_when_draining(self) -> None:
         if self.draining:
-            raise ClosingError("the server is shutting down (draining its running streams)")
+            raise Closing("the server is shutting down (draining its running streams)")
 
     def _host(self, name: str) -> LoaderHost:
         if not name:
@@ -129,7 +129,7 @@ class LoaderService:
             rank=consumer.rank,
             world_size=consumer.world_size if consumer.HasField("world_size") else 1,
         )
-        host.check(membership)  # SharingError
+        host.check(membership)  # SharingRefused
         return membership
 
     def ListLoaders(
@@ -205,7 +205,7 @@ class LoaderService:
                 ),
             )
             idle = self.admission.idle_stream_timeout
-            raise Overloaded(
+            raise ServerBusy(
                 f"this server already runs its max_streams={max_streams} streams"
                 + (f" (none has gone idle_stream_timeout={idle:g} s unread)" if idle else "")
                 + "; retry when one ends, or raise the server's max_streams setting "
@@ -219,7 +219,7 @@ class LoaderService:
     def _admit(
         self, request: pb.StreamRequest
     ) -> tuple[LoaderHost, Membership, int, Reshard | None]:
-        """The stream's loader, membership, seed and elastic origin; a ServerError for a
+        """The stream's loader, membership, seed and elastic origin; a CallFailed error for a
         request refused before anything reads the dataset."""
         host = self._host(request.loader)
         membership = self._membership(host, request.consumer)
@@ -239,7 +239,7 @@ class LoaderService:
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
-            raise RequestInvalid(problem)
+            raise InvalidRequest(problem)
         return host, membership, seed, reshard
 
     def _stream(
@@ -286,7 +286,7 @@ class LoaderService:
                 if connected is None:
                     return
                 sender = connected
-            if request.direct and not shared:
+            if request.node_fetch and not shared:
                 # NOTE [ Node data connection ]: a batch made on another host is named there
                 # once this trainer has reached that node.
                 sender = NodeSender(sender, _node_connections(request))
@@ -311,9 +311,9 @@ class LoaderService:
         except Exception as exc:
             if cancelled.is_set():
                 return  # nobody is left to tell; the log line says "cancelled"
-            if not isinstance(exc, ServerError):
+            if not isinstance(exc, CallFailed):
                 log.exception("stream of loader %r failed", host.spec.name)
-                exc = ServerError(
+                exc = CallFailed(
                     f"loader {host.spec.name!r} failed outside the dataset: "
                     f"{type(exc).__name__}: {exc}"
                 )
@@ -427,16 +427,16 @@ def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) ->
 
 @contextlib.contextmanager
 def _statuses(context: grpc.ServicerContext) -> Iterator[None]:
-    """The one mapping of errors to statuses (server/errors.py): a ServerError ends the call
+    """The one mapping of errors to statuses (server/errors.py): a CallFailed ends the call
     with its status and message. (A stream maps its own errors once it has started, so that
-    its end line can log the status; anything else there is reported as a ServerError.)"""
+    its end line can log the status; anything else there is reported as a CallFailed.)"""
     try:
         yield
-    except ServerError as exc:
+    except CallFailed as exc:
         _abort_with(context, exc)
 
 
-def _abort_with(context: grpc.ServicerContext, error: ServerError) -> NoReturn:
+def _abort_with(context: grpc.ServicerContext, error: CallFailed) -> NoReturn:
     """Ends the call with `error`'s status and message, and its reason (and a broken loader's
     exception) in the trailing metadata (NOTE [ Error reasons ], server/api/status.py): abort
     sends what set_trailing_metadata set."""

@@ -17,6 +17,7 @@ from remote_loader.server.api.admission import DEFAULT_IDLE_STREAM_TIMEOUT
 from remote_loader.server.api.auth import ServerTLS, check_token, load_tls, token_from_file
 from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.spec import ConfigError
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS
 
 ENV_PREFIX = "REMOTE_LOADER_"
@@ -207,6 +208,16 @@ class ServerSettings:
     def server_tls(self) -> ServerTLS | None:
         """The TLS material tls_cert, tls_key and tls_client_ca name; None: plaintext."""
         return load_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def pool_options(self) -> PoolOptions:
+        """What every loader's pool is made with (server/engine/options.py)."""
+        return PoolOptions(
+            max_batch_bytes=self.max_batch_bytes,
+            ray_address=self.ray_address,
+            ray_direct=self.ray_direct,
+            # NOTE [ Node data connection ]: the node connections are not encrypted.
+            ray_node_fetch=self.ray_node_fetch and self.tls_cert is None,
+        )
 
     def describe(self) -> str:
         shown = [f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self) if f.repr]

@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
-from remote_loader.server.errors import LoaderBrokenError, ServerError
-from remote_loader.server.transports.base import remote_error
+from remote_loader.server.errors import CallFailed, LoaderBroken
+from remote_loader.server.transports.base import captured_error
 
 # gRPC clients refuse a trailer (status details included) past grpc.max_metadata_size, 8 KiB by
 # default, and report RESOURCE_EXHAUSTED instead of the call's own status: a broken loader would
 # reach the trainer as a request too large. The details and the exception share what is left
 # after the reason and the status: DETAILS_LIMIT bytes of percent-encoded details (grpc-message
-# percent-encodes all but printable ASCII) and ERROR_LIMIT bytes of RemoteError, which a
+# percent-encodes all but printable ASCII) and ERROR_LIMIT bytes of CapturedError, which a
 # -bin key sends base64-encoded (4/3 as many).
 DETAILS_LIMIT = 3072
 ERROR_LIMIT = 2304
@@ -26,11 +26,11 @@ ERROR_LIMIT = 2304
 MESSAGE_LIMIT = 512
 
 
-def trailer(error: ServerError) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+def trailer(error: CallFailed) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
     """The details and trailing metadata that end a call with `error`."""
     metadata: tuple[tuple[str, str | bytes], ...] = reasons.metadata(error.reason)
-    if isinstance(error, LoaderBrokenError) and error.remote is not None:
-        metadata += ((reasons.ERROR_KEY, fitted_error(remote_error(error.remote))),)
+    if isinstance(error, LoaderBroken) and error.original is not None:
+        metadata += ((reasons.ERROR_KEY, fitted_error(captured_error(error.original))),)
     return clip_middle(str(error), DETAILS_LIMIT, details_size), metadata
 
 
@@ -54,12 +54,12 @@ def clip_middle(text: str, limit: int, size: Callable[[str], int] = len) -> str:
         keep = keep * 3 // 4
 
 
-def fitted_error(error: pb.RemoteError, limit: int = ERROR_LIMIT) -> bytes:
+def fitted_error(error: pb.CapturedError, limit: int = ERROR_LIMIT) -> bytes:
     """`error` serialized in at most `limit` bytes: its message and traceback clipped in the
     middle (the traceback keeps its first frames and its last, with the exception's line)."""
     if error.ByteSize() <= limit:
         return error.SerializeToString()
-    fitted = pb.RemoteError()
+    fitted = pb.CapturedError()
     fitted.CopyFrom(error)
     fitted.message = clip_middle(error.message, MESSAGE_LIMIT, _utf8_size)
     keep = limit

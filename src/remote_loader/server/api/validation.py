@@ -17,7 +17,7 @@ import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
-from remote_loader.server.errors import RequestInvalid, clip
+from remote_loader.server.errors import InvalidRequest, clip
 from remote_loader.server.sharing.elastic import Reshard, ReshardError
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.sharing.membership import Membership
@@ -84,10 +84,10 @@ def check_epoch(
     reshard_message: pb.Reshard,
 ) -> tuple[Reshard | None, int | None]:
     """The consumer's elastic origin and its batches in `epoch` (None where not known in
-    advance: dynamic sharing, unsized iterables), checked before any read: RequestInvalid for
+    advance: dynamic sharing, unsized iterables), checked before any read: InvalidRequest for
     what Stream and Describe both refuse (this one check serves both)."""
     if epoch > MAX_EPOCH:
-        raise RequestInvalid(
+        raise InvalidRequest(
             f"epoch must be between 0 and {MAX_EPOCH} (the epoch's generators are seeded with "
             f"seed + epoch, as DistributedSampler does), got {epoch}"
         )
@@ -103,7 +103,7 @@ def check_epoch(
     except TypeError:  # unsized IterableDataset, or dynamic sharing: no end known in advance
         return reshard, None
     except ReshardError as exc:
-        raise RequestInvalid(
+        raise InvalidRequest(
             f"cannot resume epoch {epoch} on world_size {membership.world_size}: {exc}"
         ) from exc
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from remote_loader.server.batch.lease import SlotLease
-from remote_loader.server.batch.remote import RemoteBatch
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.batch.node_batch import NodeBatch
+from remote_loader.server.errors import CapturedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +35,14 @@ class Delivery:
 
     blob: memoryview | None = None
     header_nbytes: int = 0
-    error: RemoteError | None = None
+    error: CapturedError | None = None
     lease: SlotLease = dataclasses.field(default_factory=SlotLease)
     # The worker's slot holding `blob`, when a same-host client may map it (None: in this
     # process's memory, or a slot without a descriptor).
     slot: SlotRef | None = None
     # The batch lies on the node that made it, `blob` being only room for it here until a
     # sender reads it (NOTE [ Node data connection ] in protos/node.py).
-    remote: RemoteBatch | None = None
+    node_batch: NodeBatch | None = None
     # time.monotonic() when the Run submitted its task and read it back (set by the Run, for
     # the queue and latency metrics).
     submitted_at: float = 0.0

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from remote_loader.protos import slots as slot_protocol
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 
 
 class BatchTooLargeError(ValueError):
@@ -88,7 +88,7 @@ class Result:
     new_buffer: torch.Tensor | None = None
     # Slots the worker has let go (too small); the server forgets them.
     dropped: tuple[int, ...] = ()
-    error: RemoteError | None = None
+    error: CapturedError | None = None
     # An IterableDataset ran dry in this worker (torch's _IterableDatasetStopIteration).
     exhausted: bool = False
     # Which process of worker `worker_id` this is (a replaced worker gets a new one): slots are
@@ -101,8 +101,8 @@ class Result:
     # A KEEP lane's actor keeps the batch in its slot, for trainers to fetch from its data
     # server at this address (NOTE [ Node data connection ] in protos/node.py) ...
     node: tuple[str, int] | None = None
-    # ... and the server's pool adds, in its own process, the batch's handle (a RemoteBatch).
-    remote: Any = None
+    # ... and the server's pool adds, in its own process, the batch's handle (a NodeBatch).
+    node_batch: Any = None
     # time.monotonic() when the worker took the task and when it had the result (for metrics):
     # CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the server compares
     # them with its own stamps.

@@ -14,7 +14,7 @@ import threading
 from remote_loader.protos import wire
 from remote_loader.server.batch.delivery import SlotRef
 from remote_loader.server.batch.lease import SlotLease
-from remote_loader.server.batch.remote import RemoteBatch
+from remote_loader.server.batch.node_batch import NodeBatch
 from remote_loader.server.errors import DataConnectionLost
 
 
@@ -27,7 +27,7 @@ class Outgoing:
     process's memory) keeps it valid past that with `lease.hold()`, until the callback it returns
     is called (idempotent, any thread).
 
-    `remote`: the batch lies on the node that made it (NOTE [ Node data connection ] in
+    `node_batch`: the batch lies on the node that made it (NOTE [ Node data connection ] in
     protos/node.py); a sender may name it there (server/transports/node.py), and `blob` is
     fetched from that node into this process's buffer the first time a sender reads it.
     """
@@ -38,34 +38,34 @@ class Outgoing:
         header_nbytes: int,
         slot: SlotRef | None,
         lease: SlotLease,
-        remote: RemoteBatch | None = None,
+        node_batch: NodeBatch | None = None,
     ) -> None:
         self._blob = blob
         self.header_nbytes = header_nbytes
         self.slot = slot
         self.lease = lease
-        self.remote = remote
+        self.node_batch = node_batch
         self.nbytes = len(blob)
         self._frames: list[bytes] | None = None
         self._lock = threading.Lock()  # several consumers' streams may send it at once
-        self._fetched = remote is None
+        self._fetched = node_batch is None
         self._fetching = threading.Lock()
 
     @property
     def blob(self) -> memoryview:
-        """The batch's bytes; a remote batch's are fetched from its node once, here. Raises
+        """The batch's bytes; a node batch's are fetched from its node once, here. Raises
         DataConnectionLost when they cannot be (the node is gone: the stream is resumed, and
         the batch made again)."""
         if not self._fetched:
-            assert self.remote is not None
+            assert self.node_batch is not None
             with self._fetching:
                 if not self._fetched:
                     try:
-                        self.remote.fetch_into(self._blob)
+                        self.node_batch.fetch_into(self._blob)
                     except ConnectionError as exc:
                         raise DataConnectionLost(
-                            f"batch made on the node at {self.remote.address[0]}:"
-                            f"{self.remote.address[1]} could not be fetched from it: {exc}"
+                            f"batch made on the node at {self.node_batch.address[0]}:"
+                            f"{self.node_batch.address[1]} could not be fetched from it: {exc}"
                         ) from exc
                     self._fetched = True
         return self._blob

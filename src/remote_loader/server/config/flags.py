@@ -11,13 +11,11 @@ from typing import Any
 from remote_loader.server.config.spec import (
     AUTO,
     BATCH_SIZE_NONE,
-    POOL_BACKENDS,
-    SEEDING_MODES,
-    SHARING_MODES,
     SHARING_TIMEOUTS,
     ConfigError,
     LoaderSpec,
 )
+from remote_loader.server.config.types import POOL_BACKENDS, SEEDING_MODES, SHARING_MODES
 
 _FIELDS = {field.name for field in dataclasses.fields(LoaderSpec)}
 

@@ -4,11 +4,14 @@ the values have once the spec is built.
 A LoaderSpec (server/config/spec.py) is flat, as its TOML table, its flags and torch's DataLoader
 keywords are, and some of its fields hold what was asked rather than what holds: None for "as
 detach_timeout" or "torch's default", "auto" for a count the server chooses. `LoaderSpec.parts`
-is the same spec after construction resolved all that, one part per stage: the dataset, the
-batching (server/config/sampling.py), the pool (server/engine/pool.py and its backends), sharing
-(server/sharing/policies.py, server/sharing/membership.py) and the timeouts. The stages read the
-parts; only torch's own DataLoader options (server/config/sampling.py builds a DataLoader from
-them, with torch's checks) are read as given.
+is the same spec after construction resolved all that, one part per stage: the dataset (built
+by server/worker/dataset.py, named to Ray's actors), the batching (sampling's epoch plans, the
+Run's seeding, the policies' and pool's order), the pool (server/engine/ and its backends),
+sharing (server/sharing/) and the timeouts. The stages read the parts; read as given are only
+torch's own DataLoader options (server/config/sampling.py builds a DataLoader from them, with
+torch's checks; batch_size, drop_last, samplers, collate_fn are read there and from the
+DataLoader it builds) and what Describe and `check-config` report of the spec as it was
+written (its seed, batch_size, dataset).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+from remote_loader.server.config.types import PoolBackend, Seeding, Sharing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,17 +31,14 @@ class DatasetPart:
 
 @dataclasses.dataclass(frozen=True)
 class BatchingPart:
-    batch_size: int | None  # None: torch's batch_size=None, each sample its own batch
-    shuffle: bool
-    drop_last: bool
+    shuffle: bool  # torch's shuffle=None is False
     in_order: bool
-    seed: int
-    seeding: str  # spec.SEEDING_MODES
+    seeding: Seeding
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolPart:
-    backend: str  # spec.POOL_BACKENDS
+    backend: PoolBackend
     num_workers: int  # at start (with autotune: 1)
     prefetch_factor: int  # tasks in flight per worker (torch's 2 when not given)
     persistent_workers: bool
@@ -51,7 +53,7 @@ class PoolPart:
 
 @dataclasses.dataclass(frozen=True)
 class SharingPart:
-    modes: tuple[str, ...]  # those clients may ask for
+    modes: tuple[Sharing, ...]  # those clients may ask for
     partition_drop_last: bool
     broadcast_window: int
 

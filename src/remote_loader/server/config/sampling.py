@@ -341,7 +341,7 @@ def plan_epoch(
                 dataset,
                 num_replicas=world_size,
                 rank=rank,
-                shuffle=bool(spec.shuffle),
+                shuffle=spec.parts.batching.shuffle,
                 seed=seed,
                 drop_last=drop,
             )
@@ -353,7 +353,7 @@ def plan_epoch(
             # the dataset, seeded seed + epoch), so one replica's is the order every rank's
             # share is cut from; deal() cuts them all in one pass.
             whole: DistributedSampler[Any] = DistributedSampler(
-                dataset, num_replicas=1, rank=0, shuffle=bool(spec.shuffle), seed=seed
+                dataset, num_replicas=1, rank=0, shuffle=spec.parts.batching.shuffle, seed=seed
             )
             whole.set_epoch(epoch)
             dealt = deal(list(whole), world_size, drop)

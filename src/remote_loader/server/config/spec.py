@@ -26,21 +26,19 @@ from remote_loader.server.config.parts import (
     SpecParts,
     Timeouts,
 )
+from remote_loader.server.config.types import (
+    POOL_BACKENDS,
+    SEEDING_MODES,
+    SHARING_MODES,
+    PoolBackend,
+    Seeding,
+    Sharing,
+)
 
 # TOML has no null. `batch_size = "none"` (any case) spells torch's batch_size=None: no
 # automatic batching, each sample is converted (default_convert) and sent as its own batch.
 BATCH_SIZE_NONE = "none"
 
-# The ways consumers can share a loader's epochs: one policy each (server/sharing/policies.py).
-SHARING_MODES = ("partition", "broadcast", "dynamic")
-# How random/torch/numpy are seeded in workers: "worker" as torch does (once per worker and
-# epoch), "per_batch" before every batch from (seed, epoch, batch index).
-SEEDING_MODES = ("worker", "per_batch")
-
-
-# Where a loader's workers run (server/engine/backends.py): "local", processes of this server;
-# "ray", actors on a Ray cluster (the `ray` extra).
-POOL_BACKENDS = ("local", "ray")
 # num_workers = AUTO: the server sizes the pool itself (LoaderSpec.autotune).
 AUTO = "auto"
 
@@ -92,16 +90,16 @@ class LoaderSpec:
     # dataset that cannot be pickled is built by each worker, with a warning).
     multiprocessing_context: str | None = None
     seed: int = 0
-    # See SEEDING_MODES; "per_batch" makes a batch independent of which worker made it, of the
+    # See config/types.py; "per_batch" makes a batch independent of which worker made it, of the
     # worker count, of respawns and of where an epoch was resumed.
-    seeding: str = "worker"
+    seeding: Seeding = "worker"
     # Sharing between consumers (not DataLoader options; see server/sharing/runs.py). `sharing`
     # lists the modes clients may ask for. `partition_drop_last` is DistributedSampler's drop_last:
     # false pads the shares to equal length with repeated samples, true drops the tail.
     # `broadcast_window` bounds how many batches the fastest broadcast consumer may be ahead of
     # the slowest; `detach_timeout` is how long a stalled broadcast consumer may hold the
     # others. The three waits after it were all detach_timeout once; None still means that.
-    sharing: tuple[str, ...] = SHARING_MODES
+    sharing: tuple[Sharing, ...] = SHARING_MODES
     partition_drop_last: bool = False
     broadcast_window: int = 8
     detach_timeout: float = 30.0
@@ -112,9 +110,9 @@ class LoaderSpec:
     # dynamic, at the end of the epoch: how long a consumer waits for batches a peer holds
     # (and would hand back if it went away) before its stream ends.
     handback_timeout: float | None = None
-    # Where the workers run (POOL_BACKENDS; not DataLoader options): with "ray", each worker is
+    # Where the workers run (config/types.py; not DataLoader options): with "ray", each worker is
     # an actor asking `ray_num_cpus` CPUs of the cluster at the server's ray_address.
-    pool: str = "local"
+    pool: PoolBackend = "local"
     ray_num_cpus: float = 1.0
     # The Ray runtime_env of the loader's actors (RAY_RUNTIME_ENV_KEYS): the code and packages
     # they need where the cluster's nodes do not have them (docs/ray.md, "Where the actors find
@@ -207,12 +205,7 @@ class LoaderSpec:
         return SpecParts(
             dataset=DatasetPart(self.dataset, self.dataset_kwargs),
             batching=BatchingPart(
-                batch_size=self.batch_size,
-                shuffle=bool(self.shuffle),
-                drop_last=self.drop_last,
-                in_order=self.in_order,
-                seed=self.seed,
-                seeding=self.seeding,
+                shuffle=bool(self.shuffle), in_order=self.in_order, seeding=self.seeding
             ),
             pool=PoolPart(
                 backend=self.pool,

@@ -8,7 +8,7 @@ autotuning); a backend only starts, stops, talks to and watches its workers.
   (NOTE [ Ray bridge ] in server/engine/ray/bridge.py).
 
 Besides results, `receive` yields what a backend learns about its workers' capacity: a
-replacement that cannot start yet (Short) and one that has started (Ready); see
+replacement that cannot start yet (Short) and one that has started (WorkerReady); see
 NOTE [ Capacity lost ] in server/engine/supervisor.py.
 """
 
@@ -22,7 +22,7 @@ from remote_loader.server.batch.messages import EpochStart, Result, Task
 
 
 @dataclasses.dataclass(frozen=True)
-class Ready:
+class WorkerReady:
     """Worker `worker_id`'s replacement (or a worker added) has started: the `timeout` of the
     task it holds counts from now, and a worker that was short takes tasks again."""
 
@@ -32,13 +32,13 @@ class Ready:
 @dataclasses.dataclass(frozen=True)
 class Short:
     """Worker `worker_id`'s replacement cannot start for now (`message`: what it lacks, e.g. a
-    free CPU in the cluster); the pool runs without it until its Ready comes."""
+    free CPU in the cluster); the pool runs without it until its WorkerReady comes."""
 
     worker_id: int
     message: str
 
 
-Event = Result | Ready | Short
+Event = Result | WorkerReady | Short
 
 
 class WorkerBackend(Protocol):
@@ -86,14 +86,14 @@ class WorkerBackend(Protocol):
     def receive(self, timeout: float) -> Iterator[Event]:
         """Waits up to `timeout` seconds for results, then yields those that arrived (a
         worker's unreadable or cut-off result is dropped: its death is seen by `alive`), and
-        Short and Ready as they happen. Raises WorkerDiedError when the backend itself is gone
+        Short and WorkerReady as they happen. Raises WorkerDiedError when the backend itself is gone
         (the pool cannot go on)."""
         ...
 
     def alive(self, worker_id: int) -> bool: ...
 
     def ready(self, worker_id: int) -> bool:
-        """False while a spawned worker has not started yet (its Ready is to come): the
+        """False while a spawned worker has not started yet (its WorkerReady is to come): the
         `timeout` of its tasks does not count meanwhile."""
         ...
 

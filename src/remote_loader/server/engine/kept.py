@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from remote_loader.server.engine.backends import Pool
+from remote_loader.server.engine.choice import Pool
 
 log = logging.getLogger(__name__)
 

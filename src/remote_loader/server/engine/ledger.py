@@ -15,7 +15,7 @@ from typing import Any
 
 from remote_loader.server.batch.delivery import Delivery, Outcome
 from remote_loader.server.engine.seam import WorkerDiedError
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 
 # How many times a batch is tried when its worker dies while making it (a sample that crashes
 # its worker every time is then delivered as an error at its position).
@@ -229,4 +229,4 @@ class TaskLedger:
 
 def _error_outcome(pending: PendingTask, error: Exception) -> Outcome:
     where = f"in DataLoader worker process {pending.worker_id}"
-    return Outcome(pending.task_id, Delivery(error=RemoteError.capture(where, error)))
+    return Outcome(pending.task_id, Delivery(error=CapturedError.capture(where, error)))

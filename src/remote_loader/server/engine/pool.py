@@ -28,7 +28,7 @@ from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.autotune import Resizer, new_tuner
-from remote_loader.server.engine.backend import Ready, Short, WorkerBackend
+from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.dispatch import dispatch_for
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import POLL_INTERVAL, WorkerInitError, in_flight_bound
@@ -302,7 +302,7 @@ class WorkerPool:
                 return failed
             wait = max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
             for event in self._backend.receive(wait):
-                if isinstance(event, Ready):
+                if isinstance(event, WorkerReady):
                     self._supervisor.ready(event)
                     continue
                 if isinstance(event, Short):
@@ -345,16 +345,17 @@ class WorkerPool:
             return None
         self._metrics.worker_timing(*stamps)
         blob = slot.blob(result.offset, result.total_nbytes)
-        if result.remote is not None:
-            result.remote.room = blob  # where the server fetches it to (or has it made again)
+        kept = result.node_batch
+        if kept is not None:
+            kept.room = blob  # where the server fetches it to (or has it made again)
         return Outcome(
             result.task_id,
             Delivery(
                 blob=blob,
                 header_nbytes=result.header_nbytes,
                 # A batch on its node: `blob` is room for it here, not it, until fetched.
-                slot=slot.ref(result.offset, result.generation) if result.remote is None else None,
-                remote=result.remote,
+                slot=slot.ref(result.offset, result.generation) if kept is None else None,
+                node_batch=kept,
                 lease=SlotLease(
                     functools.partial(self._slots.release, result.incarnation, result.slot),
                     mapping=blob,

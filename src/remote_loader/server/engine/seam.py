@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from remote_loader.server.batch.delivery import Outcome
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 
 # How long one engine poll blocks (the pool: on its result pipes) before it checks whether the
 # workers are alive. Short, because it also bounds how fast a run notices it has been closed.
@@ -62,6 +62,6 @@ class WorkerDiedError(RuntimeError):
 class WorkerInitError(RuntimeError):
     """A worker cannot load anything: the dataset factory or worker_init_fn raised there."""
 
-    def __init__(self, error: RemoteError) -> None:
+    def __init__(self, error: CapturedError) -> None:
         super().__init__(f"{error.type}: {error.message}")
         self.error = error

@@ -3,7 +3,7 @@
 TaskLedger keeps the books.
 
 A part the core (server/engine/pool.py) holds, not a base class: `poll` calls `check` on the Run's
-thread, and hands it the backend's Short and Ready events; the Supervisor asks the
+thread, and hands it the backend's Short and WorkerReady events; the Supervisor asks the
 WorkerBackend (server/engine/backend.py) whether workers live, and the core, through callbacks,
 to start a replacement, to send a task again, to move a worker's tasks to the others and to
 recompute its bound when the workers that can take tasks change (NOTE [ Capacity lost ]).
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from remote_loader.server.batch.delivery import Outcome
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.backend import Ready, Short, WorkerBackend
+from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import WorkerDiedError
 from remote_loader.server.metrics import LoaderMetrics
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 #     names the shortfall;
 #   - an IterableDataset shards itself by worker: without the worker its share is lost, so the
 #     epoch ends with WorkerDiedError (the pool is replaced and says what it lacks);
-#   - when the worker's Ready comes (CPUs returned: a node joined), it takes tasks again and
+#   - when its WorkerReady comes (CPUs returned: a node joined), it takes tasks again and
 #     the bound and gauge grow back, with a warning ("started again: N of M workers"). A short
 #     worker keeps trying: a start the backend gives up (Ray failed it: NOTE [ Every start
 #     ends ] in server/engine/ray/bridge.py) is a death like any other, and its replacement waits
@@ -99,7 +99,7 @@ class Supervisor:
         self._send = send
         self._reassign = reassign
         self._capacity_changed = capacity_changed
-        # Workers whose replacement cannot start (Short), until their Ready: they get no tasks.
+        # Workers whose replacement cannot start (Short), until their WorkerReady: no tasks.
         self.short: set[int] = set()
         # Workers replaced after they died (or were stopped for a timeout).
         self.restarts = 0
@@ -173,7 +173,7 @@ class Supervisor:
         """The worker is gone for good (autotuning removed it): it is no longer short."""
         self.short.discard(worker_id)
 
-    def ready(self, event: Ready) -> None:
+    def ready(self, event: WorkerReady) -> None:
         """A replacement started: its tasks' `timeout` counts from now; a short worker is back."""
         self._ledger.worker_ready(event.worker_id)
         if event.worker_id not in self.short:

@@ -17,7 +17,6 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.sampling import (
     Batching,
     EpochPlan,
@@ -26,11 +25,12 @@ from remote_loader.server.config.sampling import (
     plan_epoch,
 )
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
-from remote_loader.server.engine.backends import Pool, make_pool, require_backend
+from remote_loader.server.engine.choice import Pool, make_pool, require_backend
 from remote_loader.server.engine.inline import InlineEngine
 from remote_loader.server.engine.kept import KeptPools
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine
-from remote_loader.server.errors import ClosingError
+from remote_loader.server.errors import Closing
 from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
 from remote_loader.server.sharing.elastic import (
     Reshard,
@@ -89,17 +89,13 @@ class LoaderHost:
         spec: LoaderSpec,
         ctx: multiprocessing.context.BaseContext,
         *,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        ray_address: str | None = None,
-        ray_direct: bool = True,
-        ray_node_fetch: bool = True,
+        pool_options: PoolOptions | None = None,
         metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS,
         kept: KeptPools | None = None,
     ) -> None:
-        if max_batch_bytes < 1:
-            raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes}")
         self.spec = spec
-        self.max_batch_bytes = max_batch_bytes
+        # The server's settings its pools are made with (the same for every loader).
+        self.pool_options = pool_options if pool_options is not None else PoolOptions()
         # What this loader served and where its batches waited; a server's MetricsServer
         # shows it (server/metrics.py).
         self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
@@ -125,9 +121,6 @@ class LoaderHost:
         self.shared = share(spec, self.dataset) if workers else SharedDataset()
         self._ctx = ctx
         self._cond = threading.Condition()
-        self._ray_address = ray_address
-        self._ray_direct = ray_direct
-        self._ray_node_fetch = ray_node_fetch
         # The last pool started (for Describe): its backend, nodes and workers.
         self.pool_info: dict[str, int | str] = {}
         self._persistent: Pool | None = None
@@ -187,7 +180,7 @@ class LoaderHost:
         return epoch_length(self._loader, self.spec, world_size)
 
     def check(self, membership: Membership) -> None:
-        """Raises SharingError when this loader refuses `membership`."""
+        """Raises SharingRefused when this loader refuses `membership`."""
         admit(membership, self.spec, self.batching.is_iterable)
 
     def attach(
@@ -204,7 +197,7 @@ class LoaderHost:
         [ Compression ], protos/compression.py)."""
         with self._cond:
             if self._closed:
-                raise ClosingError(f"loader {self.spec.name!r} is shutting down")
+                raise Closing(f"loader {self.spec.name!r} is shutting down")
         return self.runs.attach(membership, seed, epoch, start, reshard, compression)
 
     def start(self) -> None:
@@ -219,12 +212,9 @@ class LoaderHost:
             self.spec,
             self.batching,
             self._ctx,
-            max_batch_bytes=self.max_batch_bytes,
+            self.pool_options,
             metrics=self.metrics,
             dataset=self.shared,
-            ray_address=self._ray_address,
-            ray_direct=self._ray_direct,
-            ray_node_fetch=self._ray_node_fetch,
         )
         if pool.kept_between_epochs:
             self._kept.make_room(self.spec.name)  # others' idle pools hold cluster CPUs
@@ -247,7 +237,7 @@ class LoaderHost:
                 self.spec,
                 self.dataset,
                 self.batching,
-                max_batch_bytes=self.max_batch_bytes,
+                max_batch_bytes=self.pool_options.max_batch_bytes,
                 metrics=self.metrics,
             )
             return

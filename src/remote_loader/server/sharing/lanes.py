@@ -17,7 +17,7 @@ from typing import Any
 
 from remote_loader.server.batch.delivery import Delivery
 from remote_loader.server.batch.outgoing import Outgoing
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.sharing.reorder import Reorderer
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,12 @@ class Entry:
                 delivery.header_nbytes,
                 delivery.slot,
                 delivery.lease,
-                delivery.remote,
+                delivery.node_batch,
             )
         )
 
     @property
-    def error(self) -> RemoteError | None:
+    def error(self) -> CapturedError | None:
         return self.delivery.error
 
     @property

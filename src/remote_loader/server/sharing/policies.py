@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from remote_loader.server.config.sampling import EpochPlan
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.errors import SharingError, clip
+from remote_loader.server.errors import SharingRefused, clip
 from remote_loader.server.sharing.lanes import BroadcastLane, Entry, Lane, QueueLane
 from remote_loader.server.sharing.membership import Membership
 
@@ -156,7 +156,7 @@ class Policy(abc.ABC, Generic[S]):
         return lane.issued
 
     def _queue_lane(self, rank: int, start: int) -> QueueLane:
-        lane = QueueLane(self.spec.in_order, self._window)
+        lane = QueueLane(self.spec.parts.batching.in_order, self._window)
         lane.rank = rank
         lane.begin(self._lane_tasks(rank), start, self._iterable)
         return lane
@@ -432,9 +432,9 @@ def policy_for(sharing: str) -> type[Policy[Any]]:
 
 
 def admit(membership: Membership, spec: LoaderSpec, iterable: bool) -> None:
-    """Raises SharingError, saying what is allowed, for a membership the loader refuses: what
+    """Raises SharingRefused, saying what is allowed, for a membership the loader refuses: what
     every mode refuses (Membership.check), then what its policy does."""
     membership.check(spec, iterable)
     refusal = policy_for(membership.sharing).refusal(membership, spec, iterable)
     if refusal is not None:
-        raise SharingError(refusal)
+        raise SharingRefused(refusal)

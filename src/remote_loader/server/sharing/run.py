@@ -21,10 +21,10 @@ from remote_loader.server.config.sampling import EpochPlan, batch_seed
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine, WorkerDiedError, WorkerInitError
 from remote_loader.server.errors import (
-    ClosingError,
-    DetachedError,
-    LoaderBrokenError,
-    RemoteError,
+    CapturedError,
+    Closing,
+    Detached,
+    LoaderBroken,
 )
 from remote_loader.server.logfmt import logfmt
 from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
@@ -106,7 +106,7 @@ class Consumer:
 
     def next(self, cancelled: threading.Event) -> Entry | None:
         """The next entry to send, or None at the end of this consumer's epoch (or once
-        `cancelled` is set). Raises DetachedError if the Run let go of this consumer."""
+        `cancelled` is set). Raises Detached if the Run let go of this consumer."""
         run = self.run
         asked = time.monotonic()
         with run.cond:
@@ -129,13 +129,13 @@ class Consumer:
         run = self.run
         if run.fatal is not None:
             e = run.fatal
-            raise LoaderBrokenError(
+            raise LoaderBroken(
                 f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
                 f"{e.message}\nOriginal {e.traceback.rstrip()}",
-                remote=e,
+                original=e,
             )
         if self._detached is not None:
-            raise (ClosingError if run.closed_by_server else DetachedError)(self._detached)
+            raise (Closing if run.closed_by_server else Detached)(self._detached)
 
     def done(self, entry: Entry) -> None:
         """This consumer has sent `entry` (or given up sending it)."""
@@ -217,7 +217,7 @@ class Run:
         self.consumers: list[Consumer] = []
         self.closing = False
         self.closed_by_server = False
-        self.fatal: RemoteError | None = None  # no batch can be made: every stream fails
+        self.fatal: CapturedError | None = None  # no batch can be made: every stream fails
         self._task_ids = itertools.count()
         # task id -> (lane, lane-local id, when it was submitted)
         self._tasks: dict[int, tuple[Lane, int, float]] = {}
@@ -278,7 +278,7 @@ class Run:
 
     def close(self, reason: str) -> None:
         """Ends the Run for the server's reason (shutdown): every consumer's stream fails with
-        `reason` (ClosingError), and the thread leaves at its next step (`wait_closed`)."""
+        `reason` (Closing), and the thread leaves at its next step (`wait_closed`)."""
         with self.cond:
             self.closing = self.closed_by_server = True
             consumers = list(self.consumers)
@@ -298,7 +298,7 @@ class Run:
 
     def _dismiss(self, seat: Seat, why: str) -> None:
         """The policy let go of the consumer in `seat` (with `cond` held): it is served no more,
-        and its stream ends with `why` (DetachedError)."""
+        and its stream ends with `why` (Detached)."""
         for consumer in self.consumers:
             if consumer.seat is seat:
                 consumer.dismiss(why)
@@ -357,7 +357,7 @@ class Run:
             else:
                 log.exception("%r failed", self)
                 where = "in the server process"
-            self._fail(RemoteError.capture(where, exc))
+            self._fail(CapturedError.capture(where, exc))
         finally:
             with self.cond:
                 if self.closing:
@@ -382,7 +382,7 @@ class Run:
                 self.cond.wait(POLL_INTERVAL)
                 return True
         outcome = engine.poll(POLL_INTERVAL)
-        failed: list[tuple[Lane, int, RemoteError]] = []
+        failed: list[tuple[Lane, int, CapturedError]] = []
         if outcome is not None:
             with self.cond:
                 lane, local_id, submitted_at = self._tasks.pop(outcome.task_id)
@@ -401,14 +401,14 @@ class Run:
         self._log_errors(failed)
         return True
 
-    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, RemoteError]]:
+    def _add(self, lane: Lane, delivery: Delivery) -> list[tuple[Lane, int, CapturedError]]:
         """With `cond` held: `delivery` takes `lane`'s next position; returns the error made
         there, if it is one, for `_log_errors` (after `cond` is let go)."""
         position = lane.produced
         lane.add(delivery)
         return [] if delivery.error is None else [(lane, position, delivery.error)]
 
-    def _log_errors(self, failed: list[tuple[Lane, int, RemoteError]]) -> None:
+    def _log_errors(self, failed: list[tuple[Lane, int, CapturedError]]) -> None:
         """Logs each error made at a batch's position: here, where it is made once, not in each
         stream that sends it (a broadcast error goes to every consumer)."""
         for lane, position, error in failed:
@@ -451,7 +451,7 @@ class Run:
                 continue
             task_id = next(self._task_ids)
             seed = None
-            if self.spec.seeding == "per_batch":
+            if self.spec.parts.batching.seeding == "per_batch":
                 seed = batch_seed(self.key.seed, self.key.epoch, self.policy.batch_index(lane))
             if not engine.submit(task_id, indices, seed):
                 lane.tasks_done = True  # every worker's IterableDataset has run dry
@@ -460,7 +460,7 @@ class Run:
             lane.issued += 1
             lane.outstanding += 1
 
-    def _fail(self, error: RemoteError) -> None:
+    def _fail(self, error: CapturedError) -> None:
         """The engine failed: each lane in use ends with the error at its next position."""
         failed = []
         with self.cond:

@@ -15,7 +15,7 @@ from remote_loader.protos import wire
 from remote_loader.server.batch.outgoing import Outgoing
 
 if TYPE_CHECKING:  # the worker stage, below this one: only its error's fields are read
-    from remote_loader.server.errors import RemoteError
+    from remote_loader.server.errors import CapturedError
 
 # How long a client may leave its heartbeat still while the server waits on it, unless the
 # server says otherwise (create_server: keepalive_time_ms + keepalive_timeout_ms).
@@ -73,10 +73,10 @@ class InbandSender:
         pass
 
 
-def remote_error(e: RemoteError) -> pb.RemoteError:
+def captured_error(e: CapturedError) -> pb.CapturedError:
     """`e` as the wire carries it: in an error Frame, and in the trailing metadata of a loader
     that cannot make any batch (protos/reasons.py, ERROR_KEY)."""
-    return pb.RemoteError(
+    return pb.CapturedError(
         where=e.where,
         type=e.type,
         message=e.message,
@@ -86,6 +86,6 @@ def remote_error(e: RemoteError) -> pb.RemoteError:
     )
 
 
-def error_frame(batch: int, e: RemoteError) -> bytes:
+def error_frame(batch: int, e: CapturedError) -> bytes:
     """The Frame that says batch `batch` failed, with the original exception `e`."""
-    return wire.control_frame(pb.Frame(batch=batch, error=remote_error(e)))
+    return wire.control_frame(pb.Frame(batch=batch, error=captured_error(e)))

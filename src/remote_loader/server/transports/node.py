@@ -1,4 +1,4 @@
-"""Naming a batch on the node that made it, for a stream that asked (`StreamRequest.direct`):
+"""Naming a batch on the node that made it, for a stream that asked (`StreamRequest.node_fetch`):
 the trainer fetches the bytes from there (NOTE [ Node data connection ] in protos/node.py).
 
 Wraps the sender the stream negotiated (data connections or Frames), which still carries every
@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterator
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import node, wire
+from remote_loader.server.batch.node_batch import Address, NodeBatch
+from remote_loader.server.batch.node_directory import NodeDirectory
 from remote_loader.server.batch.outgoing import Outgoing
-from remote_loader.server.batch.remote import Address, NodeDirectory, RemoteBatch
 from remote_loader.server.transports.base import Sender, StreamStopped
 
 # How long the first batch of a node announced to a stream waits for the trainer to have
@@ -57,7 +58,7 @@ class NodeSender:
         self._directories: dict[int, NodeDirectory] = {}
         # The leases of batches named and not yet fetched whole (ended at close), and their
         # handles, which the node's SERVED finds only while someone holds them.
-        self._held: dict[int, tuple[Callable[[], None], RemoteBatch]] = {}
+        self._held: dict[int, tuple[Callable[[], None], NodeBatch]] = {}
         self._next_hold = 0
         # Per (directory, node): the batches named there and not yet SERVED (at most
         # NAMED_AHEAD), counted down by the watchers' thread.
@@ -65,12 +66,12 @@ class NodeSender:
         self._served = threading.Condition()
 
     def send(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        remote = outgoing.remote
-        if remote is None:
+        kept = outgoing.node_batch
+        if kept is None:
             yield from self.inner.send(batch, outgoing, stopped)
             return
-        directory = remote.directory
-        if not remote.on_node or not directory.watched(remote.address):
+        directory = kept.directory
+        if not kept.on_node or not directory.watched(kept.address):
             # Here already (or lost with its node: made again here), or its node's events
             # would not reach this server.
             yield from self.inner.send(batch, outgoing, stopped)
@@ -81,12 +82,12 @@ class NodeSender:
             self._directories[id(directory)] = directory
             for address in directory.nodes():
                 yield self._announce(directory, address)
-        if (id(directory), remote.address) not in self._deadlines:
-            yield self._announce(directory, remote.address)
+        if (id(directory), kept.address) not in self._deadlines:
+            yield self._announce(directory, kept.address)
         # A node announced just now is waited for a little (the trainer connects meanwhile); a
         # trainer that cannot reach it costs that once, then its batches come from here.
-        deadline = self._deadlines[(id(directory), remote.address)]
-        if directory.wait_reached(self._nonce, remote.address, deadline, stopped):
+        deadline = self._deadlines[(id(directory), kept.address)]
+        if directory.wait_reached(self._nonce, kept.address, deadline, stopped):
             yield from self._name(batch, outgoing, stopped)
         else:
             yield from self.inner.send(batch, outgoing, stopped)
@@ -103,9 +104,9 @@ class NodeSender:
         return wire.control_frame(pb.Frame(node_channel=channel))
 
     def _name(self, batch: int, outgoing: Outgoing, stopped: Callable[[], bool]) -> Iterator[bytes]:
-        remote = outgoing.remote
-        assert remote is not None
-        where = (id(remote.directory), remote.address)
+        kept = outgoing.node_batch
+        assert kept is not None
+        where = (id(kept.directory), kept.address)
         self._wait_named(where, stopped)
         # The slot stays the batch's until the trainer has fetched it all (or this stream
         # ends): then the actor may make the next batch in it.
@@ -121,25 +122,25 @@ class NodeSender:
                 self._served.notify_all()
             release()
 
-        self._held[hold] = (release, remote)
-        remote.on_served(self._nonce, done)
+        self._held[hold] = (release, kept)
+        kept.on_served(self._nonce, done)
         # Its node writes it to the trainer's connections now: it is there, or on its way,
         # when the trainer reads this Frame.
-        if not remote.directory.push(remote, self._nonce):
-            remote.abandon(self._nonce)
+        if not kept.directory.push(kept, self._nonce):
+            kept.abandon(self._nonce)
             done()
             yield from self.inner.send(batch, outgoing, stopped)
             return
-        host, port = remote.address
+        host, port = kept.address
         named = pb.NodeBatch(
             host=host,
             port=port,
-            slot=remote.slot,
-            generation=remote.generation,
-            offset=remote.offset,
+            slot=kept.slot,
+            generation=kept.generation,
+            offset=kept.offset,
         )
         self.batches += 1
-        yield wire.handle_frame(batch, remote.nbytes, outgoing.header_nbytes, node=named)
+        yield wire.handle_frame(batch, kept.nbytes, outgoing.header_nbytes, node=named)
 
     def _wait_named(self, where: tuple[int, Address], stopped: Callable[[], bool]) -> None:
         """Waits until fewer than NAMED_AHEAD of this stream's batches named on the node
@@ -162,7 +163,7 @@ class NodeSender:
             directory.forget(self._nonce)
         # A trainer that went without fetching them: the actors may reuse their slots (one
         # fetched late finds them STALE).
-        for release, remote in list(self._held.values()):
-            remote.abandon(self._nonce)
+        for release, kept in list(self._held.values()):
+            kept.abandon(self._nonce)
             release()
         self._held.clear()

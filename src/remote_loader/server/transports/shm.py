@@ -44,12 +44,12 @@ def accept_offer(
         return None  # another host, or a user that could not open this server's rings
     # The client may open this process's descriptors: it is the same user (not merely one this
     # server may give a ring to), and the pid it named holds the probe as seen from here.
-    direct = (
+    mappable = (
         zero_copy
         and probe.st_uid == os.geteuid()
         and slots.shares_pid_namespace(offer.pid, offer.probe_fd, probe.st_ino, probe.st_dev)
     )
-    return ShmSender(probe.st_uid, max_ring_bytes, fallback, client_silence, zero_copy=direct)
+    return ShmSender(probe.st_uid, max_ring_bytes, fallback, client_silence, zero_copy=mappable)
 
 
 class ShmSender:

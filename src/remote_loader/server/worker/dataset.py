@@ -61,8 +61,9 @@ LARGE_PICKLE = 256 << 20
 
 def build_dataset(spec: LoaderSpec) -> Any:
     """Calls the spec's dataset factory (once per loader: NOTE [ One dataset per loader ])."""
-    factory = resolve(spec.dataset, "dataset")
-    return factory(**spec.dataset_kwargs)
+    part = spec.parts.dataset
+    factory = resolve(part.factory, "dataset")
+    return factory(**part.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

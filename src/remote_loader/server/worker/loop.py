@@ -24,7 +24,7 @@ from remote_loader.protos.compression import Compressor, compressor_for
 from remote_loader.server.batch.messages import EpochStart, Result, Task, check_batch_size
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec, resolve
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.allocator import settle_allocator
 from remote_loader.server.worker.collating import (
     Arena,
@@ -91,7 +91,7 @@ class WorkerState:
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.where = where  # names the worker in its errors
-        self.init_error: RemoteError | None = None
+        self.init_error: CapturedError | None = None
         self.dataset: Any = None
         self.collate_fn: Callable[[Any], Any] | None = None
         self.fetcher: Fetcher | None = None
@@ -101,7 +101,7 @@ class WorkerState:
             self.dataset = dataset.load(spec)
             self.collate_fn = batching.collate_fn(spec)
         except Exception as exc:
-            self.init_error = RemoteError.capture(where, exc)
+            self.init_error = CapturedError.capture(where, exc)
 
     def begin_epoch(self, start: EpochStart) -> None:
         """The worker's epoch start, as torch's _worker_loop does it: seed random, torch and
@@ -127,7 +127,7 @@ class WorkerState:
             self.fetcher = Fetcher(self.dataset, self.batching, self.collate_fn)
             self.compressor = compressor_for(start.compression, self.compressor)
         except Exception as exc:
-            self.init_error = RemoteError.capture(self.where, exc)
+            self.init_error = CapturedError.capture(self.where, exc)
 
 
 # --- the worker process -------------------------------------------------------------------
@@ -208,7 +208,7 @@ class Made:
     worker's IterableDataset has run dry."""
 
     encoded: codec.Encoded | None = None
-    error: RemoteError | None = None
+    error: CapturedError | None = None
 
 
 def make_batch(
@@ -233,12 +233,12 @@ def make_batch(
     except StopIteration:
         return Made()
     except Exception as exc:
-        return Made(error=RemoteError.capture(where, exc))
+        return Made(error=CapturedError.capture(where, exc))
     try:
         encoded = codec.encode(batch, compressor, arena.placed if arena is not None else None)
         check_batch_size(encoded.total_nbytes, max_batch_bytes)
     except Exception as exc:
-        return Made(error=RemoteError.capture(f"encoding a batch {where}", exc))
+        return Made(error=CapturedError.capture(f"encoding a batch {where}", exc))
     return Made(encoded=encoded)
 
 

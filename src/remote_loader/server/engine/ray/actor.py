@@ -29,9 +29,16 @@ import torch
 from remote_loader.server.batch.messages import EpochStart, Result
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.ray.lane import Lane, LaneAddress, Probe, SlotSize, attach, share
+from remote_loader.server.engine.ray.lane import (
+    ActorProbe,
+    DirectLane,
+    LaneAddress,
+    SlotSize,
+    attach,
+    proc_fd,
+)
 from remote_loader.server.engine.ray.node import NodeServer, Remake
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.allocator import settle_allocator
 from remote_loader.server.worker.collating import WorkerSlots, use_collate_buffers
 from remote_loader.server.worker.dataset import SharedDataset
@@ -75,7 +82,7 @@ class RayWorker:
         self.epochs = 0  # begun by this actor
         self.attached = False
         if lane is not None:
-            self._probe = Probe()  # kept for the actor's life
+            self._probe = ActorProbe()  # kept for the actor's life
             taken = attach(lane, incarnation, self._probe)
             if taken is not None:
                 self.attached = True
@@ -128,7 +135,7 @@ class RayWorker:
                 fields = {"blob": blob, "header_nbytes": len(encoded.header)}
         return fields, started, time.monotonic()
 
-    def _serve_lane(self, lane: Lane) -> None:
+    def _serve_lane(self, lane: DirectLane) -> None:
         """The lane's thread: EpochStart and Task in, a Result per Task out, as a worker
         process's loop (server/worker/loop.py), into slots of the actor's own: the server maps them
         (SLOTS), or each batch follows its Result on the lane (COPY), its slot free again once
@@ -154,8 +161,8 @@ class RayWorker:
 
     def _remake(self, message: Remake) -> tuple[np.ndarray | None, int]:
         """A batch a lost actor had kept, made again here (NOTE [ Node lost ] in
-        server/batch/remote.py): its encoded bytes and header size; None for one that cannot be (of
-        another epoch, or it failed: the server says so at its position)."""
+        server/batch/node_directory.py): its encoded bytes and header size; None for one that cannot
+        be (of another epoch, or it failed: the server says so at its position)."""
         state = self.state
         if message.epoch_key != self.epoch_key or state.fetcher is None or state.init_error:
             return None, 0
@@ -176,7 +183,7 @@ class RayWorker:
         made.encoded.write_blob(torch.from_numpy(blob))
         return blob, len(made.encoded.header)
 
-    def _lane_loop(self, lane: Lane, slots: WorkerSlots, data: NodeServer | None) -> None:
+    def _lane_loop(self, lane: DirectLane, slots: WorkerSlots, data: NodeServer | None) -> None:
         conn = lane.conn
         while True:
             try:
@@ -199,7 +206,7 @@ class RayWorker:
                     self.state, slots, message.indices, message.seed, self.max_batch_bytes
                 )
             except Exception as exc:  # not the dataset's (fill_slot keeps those): ours
-                fields = {"error": RemoteError.capture(self.state.where, exc)}
+                fields = {"error": CapturedError.capture(self.state.where, exc)}
             blob = None
             if lane.copy and "slot" in fields:
                 # The server has none of this actor's slots: the bytes go on the lane.
@@ -212,7 +219,7 @@ class RayWorker:
                 if fields["new_buffer"] is not None:
                     fields["new_buffer"] = SlotSize(fields["new_buffer"].numel())
             elif fields.get("new_buffer") is not None:
-                fields["new_buffer"] = share(fields["new_buffer"])  # the server maps it
+                fields["new_buffer"] = proc_fd(fields["new_buffer"])  # the server maps it
             result = Result(
                 self.worker_id,
                 message.epoch_key,

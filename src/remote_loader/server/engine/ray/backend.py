@@ -5,8 +5,8 @@ bridge process (NOTE [ Ray bridge ] in server/engine/ray/bridge.py), which owns 
 dispatch, the task ledger, supervision, the shortfall of a lost node (NOTE [ Capacity lost ] in
 server/engine/supervisor.py) and autotuning are the core's. This module only turns the core's
 calls into the bridge's commands (or a direct lane's messages) and the bridge's messages into
-Results, Ready and Short; what goes down a direct lane and comes up it, and the nodes that keep
-batches, are server/engine/ray/direct.py's.
+Results, WorkerReady and Short; what goes down a direct lane and comes up it, and the nodes that
+keep batches, are server/engine/ray/direct.py's.
 
 NOTE [ Ray data path ]
 
@@ -26,7 +26,7 @@ server/engine/ray/lane.py), so that its tasks and results bypass Ray's calls and
   order, sharing, exactly-once, resume); a batch's slot is the actor's again once its trainer
   has fetched it. A trainer that cannot reach the node gets that node's batches through the
   server, per batch, which then fetches them itself; an actor lost with batches no trainer has
-  fetched has them made again by another (NOTE [ Node lost ] in server/batch/remote.py);
+  fetched has them made again by another (NOTE [ Node lost ] in server/batch/node_directory.py);
 - elsewhere otherwise (`ray_node_fetch = false`, and always under TLS: the node connections are
   not encrypted), a COPY lane: each batch follows its Result on the lane and is received
   straight into a slot of the server's (one kernel copy on each side). Measured with a node in a
@@ -74,14 +74,15 @@ from typing import Any
 from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.backend import Event, Ready, Short
+from remote_loader.server.engine.backend import Event, Short, WorkerReady
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.ray.bridge import (
     ACTOR_START_TIMEOUT,
     MAX_FAILED_STARTS,
+    ActorStarted,
     BridgeConfig,
     Kill,
     Lost,
-    Placed,
     Retire,
     Send,
     Shortfall,
@@ -92,7 +93,7 @@ from remote_loader.server.engine.ray.bridge import (
 )
 from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
 from remote_loader.server.engine.seam import WorkerDiedError, WorkerInitError
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.dataset import SharedDataset
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ BRIDGE_JOIN_TIMEOUT = 10.0
 @dataclasses.dataclass
 class _Actor:
     """What the server knows of one worker's actor: its incarnation, whether it has started
-    (Placed) and, once it died, why and what it was making. It may have a direct lane (`end`,
+    (ActorStarted) and, once it died, why and what it was making. It may have a direct lane (`end`,
     server/engine/ray/direct.py); until it has started, the messages for it wait in `pending`
     (whether they go down a lane or to the bridge is known only then)."""
 
@@ -136,18 +137,15 @@ class RayBackend:
         spec: LoaderSpec,
         batching: Batching,
         ctx: multiprocessing.context.BaseContext,
+        options: PoolOptions,
         *,
-        address: str | None,
-        max_batch_bytes: int,
         dataset: SharedDataset,
-        direct: bool = True,
-        node_fetch: bool = True,
         record: Callable[[str, int], None] = lambda path, nbytes: None,
     ) -> None:
         self.spec = spec
         self.batching = batching
-        self.address = address
-        self.max_batch_bytes = max_batch_bytes
+        self.address = options.ray_address
+        self.max_batch_bytes = options.max_batch_bytes
         # What each actor starts from (NOTE [ One dataset per loader ]): the bridge puts it in
         # Ray's object store once.
         self.dataset = dataset
@@ -161,8 +159,8 @@ class RayBackend:
         # Direct lanes (the server's ray_direct setting); actors of other hosts keep their
         # batches for trainers to fetch (KEEP lanes, NOTE [ Node data connection ] in
         # protos/node.py) unless ray_node_fetch is off.
-        self._direct = direct
-        self._node_fetch = node_fetch
+        self._direct = options.ray_direct
+        self._node_fetch = options.ray_node_fetch
         self._record = record  # bytes of batches made elsewhere, by path ("server", "node")
         self._lanes: DirectLanes | None = None
         self._attached: tuple[bool, ...] = ()  # of the actors placed at start
@@ -194,8 +192,8 @@ class RayBackend:
             "direct": self.direct,
             "copied": self.copied,
             "kept": self.kept,
-            # NOTE [ Node lost ] in server/batch/remote.py: batches made again after their actor
-            # was.
+            # NOTE [ Node lost ] in server/batch/node_directory.py: batches made again after their
+            # actor was.
             "remade": 0 if self._lanes is None else self._lanes.remade,
             # The KEEP lanes' actors' slots, now and at most (NOTE [ Node data connection ]).
             "kept_bytes": 0 if self._lanes is None else self._lanes.kept_bytes(),
@@ -267,7 +265,7 @@ class RayBackend:
             problem = f"its Ray driver process exited (code {bridge.exitcode})"
         self.stop()
         raise WorkerInitError(
-            RemoteError(
+            CapturedError(
                 where="starting the loader's Ray pool",
                 type="RayUnavailable",
                 message=(
@@ -383,7 +381,7 @@ class RayBackend:
                 )
             self._actors[message.worker_id].died(message.reason, message.making)
             return None
-        if isinstance(message, Placed):
+        if isinstance(message, ActorStarted):
             if not self._current(message.worker_id, message.incarnation):
                 return None
             actor = self._actors[message.worker_id]
@@ -393,7 +391,7 @@ class RayBackend:
             pending, actor.pending = actor.pending, []
             for held in pending:
                 self.send(message.worker_id, held)
-            return Ready(message.worker_id)
+            return WorkerReady(message.worker_id)
         if isinstance(message, Shortfall):
             if not self._current(message.worker_id, message.incarnation):
                 return None

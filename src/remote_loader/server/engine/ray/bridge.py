@@ -23,7 +23,7 @@ the pool core of server/engine/pool.py, which decides everything a worker's life
                     incarnation, message) when a spawned actor has not started within
                     REPLACE_PATIENCE for want of CPUs, or within SLOW_START_PATIENCE at all
                     (NOTE [ Capacity lost ] in server/engine/supervisor.py), and
-                    Placed(worker_id, incarnation, attached) once it has (NOTE [ Every start
+                    ActorStarted(worker_id, incarnation, attached) once it has (NOTE [ Every start
                     ends ]). `attached`: the actor attached a direct lane to the server
                     (NOTE [ Ray direct lane ] in server/engine/ray/lane.py); the server sends the
                     tasks of an actor whose lane it took down the lane, never here.
@@ -55,21 +55,22 @@ apart by default, 12.8-14.7 s measured, and the creation fails with ActorDiedErr
 one that dies while it starts, killed while it waited for CPUs, or its constructor raising.
 Every start a Spawn asks for ends in one answer to the server:
 
-    Placed     it started (its `node` call returned): the server sends it its held tasks;
-    Lost       Ray failed it (making -1: it made nothing, so no task is charged an attempt);
-               the server replaces it with another start and re-issues its tasks. With no CPUs
-               free for that one, it is Short at once (checked when it is spawned, not
-               REPLACE_PATIENCE later). MAX_FAILED_STARTS (3) of one worker's in a row fail
-               the epoch with the last reason (WorkerDiedError; the next epoch starts a new
-               pool) rather than start actors for ever;
-    Shortfall  neither within REPLACE_PATIENCE while the CPUs it asks are not free, or within
-               SLOW_START_PATIENCE at all: the pool goes on without it; the start goes on, and
-               ends later in Placed (the pool grows back) or Lost (another start, and so on).
+    ActorStarted  it started (its `node` call returned): the server sends it its held tasks;
+    Lost          Ray failed it (making -1: it made nothing, so no task is charged an attempt);
+                  the server replaces it with another start and re-issues its tasks. With no
+                  CPUs free for that one, it is Short at once (checked when it is spawned, not
+                  REPLACE_PATIENCE later). MAX_FAILED_STARTS (3) of one worker's in a row fail
+                  the epoch with the last reason (WorkerDiedError; the next epoch starts a new
+                  pool) rather than start actors for ever;
+    Shortfall     neither within REPLACE_PATIENCE while the CPUs it asks are not free, or
+                  within SLOW_START_PATIENCE at all: the pool goes on without it; the start
+                  goes on, and ends later in ActorStarted (the pool grows back) or Lost
+                  (another start, and so on).
 
 Bound: every start is answered within SLOW_START_PATIENCE (30 s), and a start Ray fails as soon
 as Ray says so (a replacement placed on a killed node: 13-15 s without a batch in
 tests/test_ray_faults.py, Ray's verdict on the node). It used to be dropped ("shows in its
-first task"), but the server holds a starting actor's tasks until Placed (RayBackend's
+first task"), but the server holds a starting actor's tasks until ActorStarted (RayBackend's
 `pending`), so none reached Ray to show it: the epoch hung, or a worker whose tasks had moved
 stayed short for good.
 """
@@ -98,7 +99,7 @@ from remote_loader.server.engine.ray.connect import (
     watch_server,
 )
 from remote_loader.server.engine.ray.lane import LaneAddress
-from remote_loader.server.errors import RemoteError
+from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.collating import WorkerSlots
 from remote_loader.server.worker.dataset import SharedDataset
 
@@ -180,7 +181,7 @@ class Lost:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placed:
+class ActorStarted:
     """A spawned actor has started (placed, its dataset built)."""
 
     worker_id: int
@@ -289,7 +290,7 @@ class _Bridge:
             self.calls[incarnation] = {}
         self.starting[(w, incarnation)] = time.monotonic()
         # Placing an actor and starting its process takes seconds: the server's `timeout` for
-        # its tasks counts from when it has started (Placed), not from the spawn.
+        # its tasks counts from when it has started (ActorStarted), not from the spawn.
         actor.node.remote().future().add_done_callback(
             lambda f: self.done.put((w, incarnation, _STARTED, f))
         )
@@ -339,7 +340,7 @@ class _Bridge:
         self.unstarted.discard(incarnation)
 
     def started(self, worker_id: int, incarnation: int, future: Future[Any]) -> Any:
-        """A spawned actor's start ended (NOTE [ Every start ends ]): Placed, or Lost when
+        """A spawned actor's start ended (NOTE [ Every start ends ]): ActorStarted, or Lost when
         Ray failed it; None for an actor replaced meanwhile."""
         self.starting.pop((worker_id, incarnation), None)
         if not self.current(worker_id, incarnation):
@@ -348,7 +349,7 @@ class _Bridge:
         if error is None:
             self.failed_starts.pop(worker_id, None)
             _, attached = future.result()
-            return Placed(worker_id, incarnation, attached)
+            return ActorStarted(worker_id, incarnation, attached)
         # Its creation failed (placed on a node that died before Ray declared it dead, killed
         # while pending, its constructor failed): the server replaces it and re-issues its
         # tasks, charging none of them (it made nothing).
@@ -399,7 +400,9 @@ class _Bridge:
         except self.ray.exceptions.RayActorError as exc:
             return self.died(worker_id, incarnation, task, exc)
         except Exception as exc:  # the call itself failed: an error at this task's position
-            fields = {"error": RemoteError.capture(f"in DataLoader worker {worker_id} (Ray)", exc)}
+            fields = {
+                "error": CapturedError.capture(f"in DataLoader worker {worker_id} (Ray)", exc)
+            }
             started = finished = 0.0
         with self.lock:
             calls = self.calls.get(incarnation)
@@ -532,7 +535,7 @@ def bridge_main(cfg: BridgeConfig) -> None:
     ).start()
     try:
         spec = cfg.spec
-        code = [spec.dataset, spec.sampler, spec.batch_sampler, spec.collate_fn]
+        code = [spec.parts.dataset.factory, spec.sampler, spec.batch_sampler, spec.collate_fn]
         connect(
             cfg.address,
             spec.parts.pool.ray_runtime_env,

@@ -3,10 +3,10 @@ what comes up it (NOTE [ Ray direct lane ] in server/engine/ray/lane.py, NOTE [ 
 server/engine/ray/backend.py).
 
 RayBackend (server/engine/ray/backend.py) owns the actors and the bridge; this module owns the
-lanes' listener, the directory of the nodes that keep batches (server/batch/remote.py) and the one
-lock the lanes are written under. Per lane it turns a Result into what the pool core takes: a new
-slot of a same-host actor mapped here (SLOTS), a batch received into a slot of the server's (COPY),
-or a batch left on its node with room for it here (KEEP). A lane that closes or stalls is
+lanes' listener, the directory of the nodes that keep batches (server/batch/node_directory.py) and
+the one lock the lanes are written under. Per lane it turns a Result into what the pool core takes:
+a new slot of a same-host actor mapped here (SLOTS), a batch received into a slot of the server's
+(COPY), or a batch left on its node with room for it here (KEEP). A lane that closes or stalls is
 raised as LaneClosed, for the backend to count the actor dead.
 """
 
@@ -24,12 +24,13 @@ import torch
 from remote_loader.protos import node as node_protocol
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.batch.messages import EpochStart, Result, Task
-from remote_loader.server.batch.remote import NodeDirectory, RemoteBatch
+from remote_loader.server.batch.node_batch import NodeBatch
+from remote_loader.server.batch.node_directory import NodeDirectory
 from remote_loader.server.engine.ray.lane import (
-    Lane,
+    DirectLane,
     LaneAddress,
     Lanes,
-    SlotRef,
+    ProcFd,
     SlotSize,
     open_slot,
     recv_bytes_into,
@@ -69,12 +70,12 @@ class LaneClosed(Exception):
 class Attached:
     """One actor's lane, seen from the server."""
 
-    lane: Lane
+    lane: DirectLane
     # A COPY lane's batches: slots this process receives them into (server/worker/collating.py).
     copies: WorkerSlots | None = None
     # Its tasks sent and not yet answered, in the order sent, with what each asks (epoch key,
     # indices, seed): the first is the one it was making when it died, and a KEEP lane's batch
-    # may be made again (NOTE [ Node lost ] in server/batch/remote.py).
+    # may be made again (NOTE [ Node lost ] in server/batch/node_directory.py).
     unanswered: dict[int, tuple[int, Any, int | None]] = dataclasses.field(default_factory=dict)
     # A KEEP lane's: its data server's address, from its first Result, and the sizes of the
     # slots the actor keeps batches in there, by slot (its memory held for trainers).
@@ -114,7 +115,7 @@ class DirectLanes:
         # bounded by NOTE [ Node data connection ]'s rule, NAMED_AHEAD per stream and node.
         self.kept_peak = 0
         # Lanes are written by the pool's thread and, for a batch made again, by the
-        # directory's (NOTE [ Node lost ] in server/batch/remote.py).
+        # directory's (NOTE [ Node lost ] in server/batch/node_directory.py).
         self._sending = threading.Lock()
 
     @property
@@ -155,7 +156,7 @@ class DirectLanes:
             try:
                 result = recv_message(conn)  # never waits on a stalled actor for good
                 ref = result.new_buffer
-                if isinstance(ref, SlotRef):  # a new slot of the actor's: mapped here once
+                if isinstance(ref, ProcFd):  # a new slot of the actor's: mapped here once
                     result = dataclasses.replace(result, new_buffer=open_slot(ref))
                 elif end.copies is not None and result.total_nbytes:
                     result = _copied(end.copies, conn, result)
@@ -195,14 +196,14 @@ class DirectLanes:
                 result.header_nbytes,
                 end.unanswered.get(result.task_id),
             )
-            result = dataclasses.replace(result, remote=kept)
+            result = dataclasses.replace(result, node_batch=kept)
         return result
 
     def kept_bytes(self) -> int:
         """Bytes of the slots the live actors on KEEP lanes hold (their batches for trainers)."""
         return sum(sum(end.kept.values()) for end in list(self._live()))
 
-    def _remake(self, batch: RemoteBatch, remake_id: int) -> tuple[str, int] | None:
+    def _remake(self, batch: NodeBatch, remake_id: int) -> tuple[str, int] | None:
         """Sends `batch` to be made again by a live actor on a KEEP lane elsewhere than where it
         was lost (the directory's thread); that actor's node, or None when none can now."""
         if batch.task is None:

@@ -25,7 +25,7 @@ gave its bridge) and offers a probe of its shared memory. The server answers whi
 Either way the actor's EpochStarts and Tasks go down the lane and its Results come up it; Ray
 still places, starts, supervises and kills the actor, and a lane that closes is the actor's
 death (the first task sent and unanswered is the one it was making, as for a worker process).
-An actor that reaches neither socket, or a server with `ray_lanes = "off"`, answers the
+An actor that reaches neither socket, or a server with `ray_direct = false`, answers the
 bridge's calls through Ray's object store (NOTE [ Ray data path ] in server/engine/ray/backend.py).
 
 Bounds: one lane per actor; hellos of actors not yet placed wait at most HELLO_TIMEOUT, at most
@@ -64,8 +64,9 @@ _HELLO = struct.Struct("!32sqqqQQ16s")
 
 
 @dataclasses.dataclass(frozen=True)
-class SlotRef:
-    """A shared-memory file of an actor's, as a same-host process opens it: /proc/<pid>/fd/<fd>."""
+class ProcFd:
+    """A shared-memory file of an actor's, as a same-host process opens it: /proc/<pid>/fd/<fd>
+    (not a worker's slot as a client maps it: server/batch/delivery.py's SlotRef)."""
 
     pid: int
     fd: int
@@ -73,13 +74,13 @@ class SlotRef:
     size: int
 
 
-def share(buffer: torch.Tensor) -> SlotRef:
+def proc_fd(buffer: torch.Tensor) -> ProcFd:
     """The reference a same-host process opens `buffer`'s shared memory by."""
     fd, size = buffer.untyped_storage()._share_fd_cpu_()
-    return SlotRef(os.getpid(), fd, os.fstat(fd).st_ino, size)
+    return ProcFd(os.getpid(), fd, os.fstat(fd).st_ino, size)
 
 
-def open_slot(ref: SlotRef) -> torch.Tensor:
+def open_slot(ref: ProcFd) -> torch.Tensor:
     """The actor's slot, mapped here; OSError when it cannot be opened or is not the file the
     actor named (a descriptor number reused since)."""
     fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR)
@@ -117,9 +118,10 @@ class SlotSize:
 
 
 @dataclasses.dataclass
-class Lane:
-    """A taken lane: its connection, whether batches come on it as bytes (COPY), and whether
-    they stay on the actor's node instead (KEEP)."""
+class DirectLane:
+    """A taken direct lane (not a sharing lane: server/sharing/lanes.py): its connection,
+    whether batches come on it as bytes (COPY), and whether they stay on the actor's node
+    instead (KEEP)."""
 
     conn: Connection
     copy: bool
@@ -128,14 +130,15 @@ class Lane:
     key: bytes = b""
 
 
-class Probe:
+class ActorProbe:
     """An actor's proof that the server can map its memory: a small shared file holding a
-    random token, kept for the actor's life."""
+    random token, kept for the actor's life (a client's proof of a shared /dev/shm is
+    protos/shm_probe.py's Probe)."""
 
     def __init__(self) -> None:
         self.token = os.urandom(16)
         self._buffer = torch.frombuffer(bytearray(self.token), dtype=torch.uint8).share_memory_()
-        self.ref = share(self._buffer)
+        self.ref = proc_fd(self._buffer)
 
 
 def _connect(lane: LaneAddress) -> socket.socket | None:
@@ -158,7 +161,7 @@ def _connect(lane: LaneAddress) -> socket.socket | None:
     return None
 
 
-def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Lane | None:
+def attach(lane: LaneAddress, incarnation: int, probe: ActorProbe) -> DirectLane | None:
     """The actor's end of its lane, hello said and answered; None when the server cannot be
     reached from here, or did not take the lane."""
     sock = _connect(lane)
@@ -173,7 +176,7 @@ def attach(lane: LaneAddress, incarnation: int, probe: Probe) -> Lane | None:
             verdict = conn.recv_bytes(1)
             if verdict in (SLOTS, COPY, KEEP):
                 key = node.node_key(lane.secret) if verdict == KEEP else b""
-                return Lane(conn, copy=verdict == COPY, keep=verdict == KEEP, key=key)
+                return DirectLane(conn, copy=verdict == COPY, keep=verdict == KEEP, key=key)
     except (OSError, EOFError):
         pass
     conn.close()
@@ -248,7 +251,7 @@ class Lanes:
             listener.listen(64)
         self.address = LaneAddress(path, tcp, secrets.token_bytes(32))
         # Per incarnation: its lane. At most one per actor spawned, until taken.
-        self._ready: dict[int, Lane] = {}
+        self._ready: dict[int, DirectLane] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="rl-ray-lanes", daemon=True)
@@ -280,7 +283,7 @@ class Lanes:
         with self._cond:
             old = self._ready.pop(incarnation, None)
             keep = self._keep and not mappable
-            self._ready[incarnation] = Lane(conn, copy=not mappable and not keep, keep=keep)
+            self._ready[incarnation] = DirectLane(conn, copy=not mappable and not keep, keep=keep)
             self._cond.notify_all()
         if old is not None:
             old.conn.close()
@@ -297,12 +300,12 @@ class Lanes:
         if not hmac.compare_digest(secret, self.address.secret):
             return None, False
         try:
-            probe = open_slot(SlotRef(pid, fd, inode, size))
+            probe = open_slot(ProcFd(pid, fd, inode, size))
         except OSError:
             return int(incarnation), False  # another host or pid namespace, or not permitted
         return int(incarnation), bytes(probe.numpy()) == token
 
-    def take(self, incarnation: int, timeout: float = HELLO_TIMEOUT) -> Lane | None:
+    def take(self, incarnation: int, timeout: float = HELLO_TIMEOUT) -> DirectLane | None:
         """The lane of an actor that said it attached; None when its hello did not come within
         `timeout` (its batches then come through Ray)."""
         deadline = time.monotonic() + timeout

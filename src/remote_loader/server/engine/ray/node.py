@@ -40,7 +40,7 @@ SWITCH_INTERVAL = 0.0005
 @dataclasses.dataclass(frozen=True)
 class Remake:
     """Down a KEEP lane: make this batch of a lost actor's again, for the server to fetch (NOTE
-    [ Node lost ] in server/batch/remote.py)."""
+    [ Node lost ] in server/batch/node_directory.py)."""
 
     remake_id: int
     epoch_key: int

@@ -1,16 +1,17 @@
-"""The pool seam: where a loader's workers run, chosen per loader by its spec's `pool`.
+"""The backend choice: which pool a loader's spec names (`pool`), and `make_pool`, which makes it.
 
-A backend is an Engine (server/engine/seam.py: begin_epoch / submit / poll / end_epoch) with a
+A pool is an Engine (server/engine/seam.py: begin_epoch / submit / poll / end_epoch) with a
 lifetime (start / shutdown) and a description for Describe and the metrics. The Run, sharing,
 reordering, resume and the transports do not know which backend runs: a third backend is a
 module and a line in `make_pool`.
 
-Both run on the one pool core (server/engine/pool.py), which supplies everything but the workers:
+Both run on the one pool core (server/engine/pool.py), which supplies everything but the
+workers; what a backend fills is the worker seam, server/engine/backend.py's WorkerBackend:
 
 - "local" (server/engine/local.py's ProcessBackend): worker processes of this server.
 - "ray" (server/engine/ray/backend.py's RayBackend): Ray actors on a cluster, through a bridge
-process;   needs the `ray` extra, imported only when a loader asks for it. `require_backend` checks
-  that at start-up (and in `check-config`), not when an epoch first starts a pool.
+  process; needs the `ray` extra, imported only when a loader asks for it. `require_backend`
+  checks that at start-up (and in `check-config`), not when an epoch first starts a pool.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Protocol
 
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
+from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import Engine
 from remote_loader.server.metrics import LoaderMetrics
 from remote_loader.server.worker.dataset import SharedDataset
@@ -56,16 +58,14 @@ def make_pool(
     spec: LoaderSpec,
     batching: Batching,
     ctx: multiprocessing.context.BaseContext,
+    options: PoolOptions,
     *,
-    max_batch_bytes: int,
     metrics: LoaderMetrics,
     dataset: SharedDataset,
-    ray_address: str | None = None,
-    ray_direct: bool = True,
-    ray_node_fetch: bool = True,
 ) -> Pool:
-    """A pool of the spec's backend (`pool`; not started), whose workers start from `dataset`
-    (NOTE [ One dataset per loader ] in server/worker/dataset.py)."""
+    """A pool of the spec's backend (`pool`; not started), made with the server's `options`,
+    whose workers start from `dataset` (NOTE [ One dataset per loader ] in
+    server/worker/dataset.py)."""
     from remote_loader.server.engine.backend import WorkerBackend
     from remote_loader.server.engine.pool import WorkerPool
 
@@ -75,21 +75,13 @@ def make_pool(
         from remote_loader.server.engine.ray.backend import RayBackend
 
         backend = RayBackend(
-            spec,
-            batching,
-            ctx,
-            address=ray_address,
-            max_batch_bytes=max_batch_bytes,
-            dataset=dataset,
-            direct=ray_direct,
-            node_fetch=ray_node_fetch,
-            record=metrics.remote_bytes,
+            spec, batching, ctx, options, dataset=dataset, record=metrics.remote_bytes
         )
     else:
         from remote_loader.server.engine.local import ProcessBackend
 
         backend = ProcessBackend(
-            spec, batching, ctx, max_batch_bytes=max_batch_bytes, dataset=dataset
+            spec, batching, ctx, max_batch_bytes=options.max_batch_bytes, dataset=dataset
         )
     return WorkerPool(spec, batching, backend, metrics=metrics)
 

@@ -1,9 +1,9 @@
-"""Batches that lie on the node that made them (NOTE [ Node data connection ] in
-protos/node.py), as the send stage sees them: a `RemoteBatch` per batch, and the pool's
-`NodeDirectory` (tickets, which streams reached which node, the server's own fetches).
+"""The nodes of a Ray pool whose actors keep batches (NOTE [ Node data connection ] in
+protos/node.py): the pool's `NodeDirectory` (tickets, which streams reached which node, the
+server's own fetches, and the batches kept on each node, server/batch/node_batch.py's
+NodeBatch), and what happens to those batches when a node is lost.
 
-A leaf between the Ray pool, which makes both from its actors' Results, and the send stage
-(server/transports/node.py, server/batch/outgoing.py): neither imports the other.
+A leaf between the Ray pool and the send stage, as node_batch.py is.
 
 NOTE [ Node lost ]
 
@@ -51,20 +51,11 @@ from collections.abc import Callable
 from typing import Any
 
 from remote_loader.protos import node, tcp
+from remote_loader.server.batch.node_batch import ORPHANED, Address, NodeBatch
 
 log = logging.getLogger(__name__)
 
-Address = tuple[str, int]
-
-# A RemoteBatch's states: on its node (KEPT), here in the server's room (HERE), its node lost
-# and to be made again (ORPHANED), not fetched by the server but its node not (yet) known lost
-# (FAILED_FETCH), or lost for good (LOST).
-KEPT, HERE, ORPHANED, FAILED_FETCH, LOST = "kept", "here", "orphaned", "failed", "lost"
-# How long a sender waits for a batch lost with its node to be made again; for a failed fetch
-# to show as its node's loss (the watcher's connection closing); and how often a batch is made
-# again before it counts as lost (each time an actor died holding it).
-REMAKE_WAIT = 120.0
-NODE_LOSS_WAIT = 10.0
+# How often a batch is made again before it counts as lost (each time an actor died holding it).
 MAX_REMAKES = 3
 
 
@@ -79,7 +70,7 @@ class NodeDirectory:
         self,
         key: bytes,
         record: Callable[[str, int], None],
-        remake: Callable[[RemoteBatch, int], Address | None] = lambda batch, remake_id: None,
+        remake: Callable[[NodeBatch, int], Address | None] = lambda batch, remake_id: None,
     ) -> None:
         self._key = key
         self.record = record
@@ -87,8 +78,8 @@ class NodeDirectory:
         # returns that actor's node, or None when none can take it now.
         self._remake = remake
         # NOTE [ Node lost ]: batches to be made again, and those being made, by remake id.
-        self._orphans: deque[weakref.ref[RemoteBatch]] = deque()
-        self._remaking: dict[int, tuple[weakref.ref[RemoteBatch], Address]] = {}
+        self._orphans: deque[weakref.ref[NodeBatch]] = deque()
+        self._remaking: dict[int, tuple[weakref.ref[NodeBatch], Address]] = {}
         self._remake_ids = itertools.count()
         self.remade = 0  # batches made again and arrived here (describe(), tests)
         self._lock = threading.Lock()
@@ -99,7 +90,7 @@ class NodeDirectory:
         # Per stream nonce: the nodes all its connections reached (forgotten at its close).
         self._reached: dict[bytes, set[Address]] = {}
         # The batches on nodes that a stream may still fetch, by (node, slot, generation).
-        self._kept: weakref.WeakValueDictionary[tuple[Address, int, int], RemoteBatch] = (
+        self._kept: weakref.WeakValueDictionary[tuple[Address, int, int], NodeBatch] = (
             weakref.WeakValueDictionary()
         )
         # The server's own connection per node (one fetch at a time on each: its lock).
@@ -117,10 +108,10 @@ class NodeDirectory:
         nbytes: int,
         header_nbytes: int = 0,
         task: tuple[int, Any, int | None] | None = None,
-    ) -> RemoteBatch:
+    ) -> NodeBatch:
         """The handle of a batch an actor keeps (the pool's thread); its node is watched from
         now on (connecting the first time: at most tcp.CONNECT_TIMEOUT, once per actor)."""
-        batch = RemoteBatch(self, address, slot, generation, offset, nbytes, header_nbytes, task)
+        batch = NodeBatch(self, address, slot, generation, offset, nbytes, header_nbytes, task)
         with self._lock:
             self._kept[(address, slot, generation)] = batch
             if self._thread is None and not self._closed:
@@ -264,7 +255,7 @@ class NodeDirectory:
         self.remade += 1
         batch.arrived()
 
-    def push(self, batch: RemoteBatch, nonce: bytes) -> bool:
+    def push(self, batch: NodeBatch, nonce: bytes) -> bool:
         """Tells the batch's node to write it to the stream `nonce`'s connections (any
         thread); False when its node is not watched (any more)."""
         with self._lock:
@@ -350,125 +341,3 @@ class NodeDirectory:
                 sock.close()
         if self._thread is not None:
             self._thread.join(1.0)
-
-
-class RemoteBatch:
-    """A batch that lies in slot `slot` (generation `generation`, from `offset`) of the actor
-    whose data server is at `address`; `nbytes` long, `header_nbytes` of header. `task`: what
-    made it (epoch key, indices, seed), to make it again if that actor is lost before the batch
-    left its node (NOTE [ Node lost ])."""
-
-    def __init__(
-        self,
-        directory: NodeDirectory,
-        address: Address,
-        slot: int,
-        generation: int,
-        offset: int,
-        nbytes: int,
-        header_nbytes: int = 0,
-        task: tuple[int, Any, int | None] | None = None,
-    ) -> None:
-        self.directory = directory
-        self.address = address
-        self.slot = slot
-        self.generation = generation
-        self.offset = offset
-        self.nbytes = nbytes
-        self.header_nbytes = header_nbytes
-        self.task = task
-        # The server's room for the batch (the pool's buffer as large as the actor's slot, set
-        # by the pool): where it is fetched to, or made again into.
-        self.room: memoryview | None = None
-        self.state = KEPT
-        self.why = ""  # LOST: why
-        self.remakes = 0
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        # Per stream that was named the batch: bytes it fetched so far, and what to call once
-        # it has all of them.
-        self._served: dict[bytes, int] = {}
-        self._waiting: dict[bytes, Callable[[], None]] = {}
-
-    @property
-    def on_node(self) -> bool:
-        """Whether it is to be fetched from its node (not lost there, nor here already)."""
-        return self.state == KEPT
-
-    def fetch_into(self, into: memoryview) -> None:
-        """The batch's bytes in `into` (its `room`), for the server to send itself: read from
-        its node, or, where that node was lost, made again (waiting at most REMAKE_WAIT).
-        Raises tcp.DataConnectionError when it cannot be had."""
-        deadline = time.monotonic() + REMAKE_WAIT
-        while True:
-            with self._changed:
-                while self.state in (ORPHANED, FAILED_FETCH):
-                    left = deadline - time.monotonic()
-                    if left > 0:
-                        self._changed.wait(min(left, 0.2))
-                        continue
-                    if self.state == FAILED_FETCH:  # its node is not lost: tried again later
-                        self.state = KEPT
-                        raise tcp.DataConnectionError(self.why)
-                    raise tcp.DataConnectionError(
-                        f"a batch lost with its node was not made again within {REMAKE_WAIT:g} s"
-                    )
-                if self.state == HERE:
-                    return
-                if self.state == LOST:
-                    raise tcp.DataConnectionError(self.why)
-            try:
-                self.directory.fetch(self.address, self.slot, self.generation, self.offset, into)
-            except tcp.DataConnectionError as exc:
-                # Its node is gone (its watcher finds out and has it made again), or this
-                # server cannot reach it: waited for as long as a node's loss takes to show.
-                with self._changed:
-                    if self.state == KEPT:
-                        self.state = FAILED_FETCH
-                        self.why = str(exc)
-                        deadline = min(deadline, time.monotonic() + NODE_LOSS_WAIT)
-                continue
-            self.arrived()
-
-    def arrived(self) -> None:
-        """Its bytes are in its room: nothing is lost with its node any more."""
-        with self._changed:
-            self.state = HERE
-            self._changed.notify_all()
-
-    def lose(self, why: str) -> None:
-        with self._changed:
-            self.state, self.why = LOST, why
-            self._changed.notify_all()
-
-    def orphan(self) -> bool:
-        """Its node was lost: to be made again, unless it is here, lost or out already."""
-        with self._changed:
-            if self.state not in (KEPT, FAILED_FETCH) or self._sent():
-                return False
-            self.state = ORPHANED
-            return True
-
-    def _sent(self) -> bool:
-        return any(n >= self.nbytes for n in self._served.values())
-
-    def on_served(self, nonce: bytes, done: Callable[[], None]) -> None:
-        """Calls `done` once the stream `nonce` has fetched the whole batch (any thread)."""
-        with self._lock:
-            if self._served.get(nonce, 0) < self.nbytes:
-                self._waiting[nonce] = done
-                return
-        done()
-
-    def served(self, nonce: bytes, nbytes: int) -> None:
-        """The node sent `nbytes` of the batch to the stream `nonce` (the watchers' thread)."""
-        with self._lock:
-            total = self._served[nonce] = self._served.get(nonce, 0) + nbytes
-            done = self._waiting.pop(nonce, None) if total >= self.nbytes else None
-        if done is not None:
-            done()
-
-    def abandon(self, nonce: bytes) -> None:
-        """The stream `nonce` ended without the batch: nothing to call."""
-        with self._lock:
-            self._waiting.pop(nonce, None)
