@@ -41,7 +41,7 @@ from remote_loader.server.engine.forkserver import (
     start_fork_server,
 )
 from remote_loader.server.engine.kept import KeptPools
-from remote_loader.server.metrics import MetricsServer
+from remote_loader.server.exposition import MetricsServer
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.transports import DataListener
 
