@@ -7,6 +7,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import torch
 
 from remote_loader.client import connect
@@ -66,6 +67,11 @@ class ServerLink:
             )
         self._channel, stubs = connect.open_stubs(address, tls, token)
         self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel, token and all, for calls beside the loader's own (stall reports)."""
+        return self._channel
 
     def describe(self, request: pb.DescribeRequest, what: str) -> pb.LoaderInfo:
         info: pb.LoaderInfo = self._call(self._describe, request, what)

@@ -22,7 +22,9 @@ from remote_loader.client.options import (
     resolve_device,
 )
 from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.report import StallReporter
 from remote_loader.client.security import TLS, resolve_tls, resolve_token
+from remote_loader.client.stall import StallWindow
 from remote_loader.client.surface import DataLoaderSurface
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.buffers import BufferPool
@@ -179,6 +181,10 @@ class RemoteLoader(DataLoaderSurface):
             buffers=self._buffers,
         )
         self._slot_maps = self._link.slot_maps
+        # The trainer's stall over its last seconds, reported to the server once a second while
+        # it reads (NOTE [ Stall stages ] in protos/stall.py).
+        self._stall = StallWindow()
+        self._reporter = StallReporter(self._link.channel, self._stall)
         # Describe's answers by membership (LoaderInfo.length is the consumer's). A consumer
         # whose rank is not known yet is described as rank 0 of 1 for what does not depend on
         # it; its first iter() describes it again.
@@ -308,6 +314,7 @@ class RemoteLoader(DataLoaderSurface):
             self._timeout,
             self.__len__,
             overlength,
+            self._stall,
         )
         return self._iterator
 
@@ -331,6 +338,7 @@ class RemoteLoader(DataLoaderSurface):
         what = f"loader {self.name!r} epoch {epoch} from {self.address}"
         receiver = self._link.receiver(request, start, out, what)
         cursor.take()  # once nothing above failed: an iterator that could not begin took none
+        self._reporter.follow(self.name, request.consumer, epoch)
         return epoch, start, receiver
 
     def _reading(self) -> EpochIterator | None:
@@ -443,6 +451,7 @@ class RemoteLoader(DataLoaderSurface):
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
+        self._reporter.close()
         self._link.close()
 
     def __enter__(self) -> RemoteLoader:

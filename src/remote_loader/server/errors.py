@@ -4,7 +4,7 @@ Every error the service reports to a client is a `ServerError`; its class names 
 (`status`, a grpc.StatusCode name, so this module needs no gRPC and the worker side can import
 it) and its kind (`reason`, sent in the call's trailing metadata: NOTE [ Error reasons ] in
 protos/reasons.py), and its message is the status details. The service maps them in one place
-(service._statuses): anything else that escapes a call is a bug, reported as INTERNAL.
+(service.statuses): anything else that escapes a call is a bug, reported as INTERNAL.
 
 Control flow that is not an error of the call stays outside the tree: StreamStopped (the
 client went while the server waited on it) and BorrowAbandoned (a Run closed before it got its
