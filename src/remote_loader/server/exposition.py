@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import wsgiref.simple_server
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
@@ -44,14 +44,24 @@ class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
         pass  # one line per scrape on stderr is noise
 
 
+# A WSGI application, and what wraps one (MetricsServer's `pages`).
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
 class MetricsServer:
-    """The loaders' metrics over HTTP (any path), in the Prometheus text format.
+    """The loaders' metrics over HTTP (any path), in the Prometheus text format; `pages`, when
+    given, wraps that application to serve some paths of its own (the status page).
 
     Bound when made (port 0: a free one, then in `port`), serving after `start()`, stopped by
     `close()`. Each server has its own: several can run in one process (tests).
     """
 
-    def __init__(self, address: str, loaders: Sequence[LoaderMetrics]) -> None:
+    def __init__(
+        self,
+        address: str,
+        loaders: Sequence[LoaderMetrics],
+        pages: Callable[[WSGIApp], WSGIApp] | None = None,
+    ) -> None:
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(
@@ -59,6 +69,9 @@ class MetricsServer:
             )
         self.registry = CollectorRegistry()
         self.registry.register(_Merged(loaders))
+        app: WSGIApp = make_wsgi_app(self.registry)
+        if pages is not None:
+            app = pages(app)
         host = host.strip("[]")  # [::1]:9090
         try:
             family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
@@ -68,7 +81,7 @@ class MetricsServer:
             self._httpd: ThreadingWSGIServer = wsgiref.simple_server.make_server(
                 host,
                 int(port),
-                make_wsgi_app(self.registry),
+                app,
                 server_class,
                 handler_class=_QuietHandler,
             )

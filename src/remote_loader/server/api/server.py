@@ -31,6 +31,7 @@ from remote_loader.protos import wire
 from remote_loader.server.api.auth import TokenInterceptor
 from remote_loader.server.api.listen import check_address_free
 from remote_loader.server.api.methods import method_handlers
+from remote_loader.server.api.page import status_pages
 from remote_loader.server.api.report import Reports
 from remote_loader.server.api.service import LoaderService
 from remote_loader.server.api.settings import ServerSettings
@@ -363,7 +364,11 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     # started and closed with the gRPC server.
     metrics = None
     if settings.metrics_address:
-        metrics = MetricsServer(settings.metrics_address, [host.metrics for host in hosts.values()])
+        metrics = MetricsServer(
+            settings.metrics_address,
+            [host.metrics for host in hosts.values()],
+            pages=status_pages(snapshots.status),
+        )
     if listen_data is not None:
         try:
             # With TLS, the data connections speak it too (NOTE [ TLS data connection ]).
