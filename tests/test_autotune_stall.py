@@ -94,9 +94,9 @@ def test_a_real_pool_grows_while_its_trainer_reports_waiting_on_it(
     served = serve_loaders(spec)
     pool = served.hosts["auto"]._persistent
     assert isinstance(pool, WorkerPool) and pool.num_workers == 1
-    with caplog.at_level(logging.INFO, logger="remote_loader.server.engine.autotune"):
-        with Trainer(served.address, "auto") as trainer:  # reads as fast as it can
-            wait_for(lambda: pool.num_workers >= 2, 60, "a second worker")
-            assert trainer.loader.stats().wait_stage == "workers"
+    logs = caplog.at_level(logging.INFO, logger="remote_loader.server.engine.autotune")
+    with logs, Trainer(served.address, "auto") as trainer:  # it reads as fast as it can
+        wait_for(lambda: pool.num_workers >= 2, 60, "a second worker")
+        assert trainer.loader.stats().wait_stage == "workers"
     raised = [r.getMessage() for r in caplog.records if "raising num_workers" in r.getMessage()]
     assert raised and "stalled on the workers" in raised[0], raised
