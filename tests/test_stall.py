@@ -84,12 +84,18 @@ def test_the_window_slides_and_counts_a_wait_still_going_on() -> None:
 def test_a_stamped_frame_parses_with_its_wait_and_its_data_intact() -> None:
     blob = memoryview(bytes(range(200)))
     first = next(wire.batch_frames(7, blob, 3, 64))
-    stamp = stall.wait_stamp(0.25)
-    meta, data = wire.parse_frame(stamp + first)
+    stamped = stall.stamped(first, 0.25)
+    assert stamped is not None
+    meta, data = wire.parse_frame(stamped)
     assert meta.batch == 7 and meta.parts == 4 and meta.waited_us == 250_000
     assert bytes(data) == bytes(blob[:64])
-    assert stall.wait_stamp(0.0005) == b""  # a batch that was ready: no stamp, no copy
+    assert stall.stamped(first, 0.0005) is first  # a batch that was ready: no stamp, no copy
     assert wire.parse_frame(first)[0].waited_us == 0
+    # A node announced before the batch is passed over: the stamp goes on the batch's handle.
+    announce = wire.control_frame(pb.Frame(node_channel=pb.NodeChannel(host="n", port=1)))
+    assert stall.stamped(announce, 0.25) is None
+    handle = stall.stamped(wire.handle_frame(7, 200, 3, on_tcp=True), 0.25)
+    assert handle is not None and wire.parse_frame(handle)[0].waited_us == 250_000
 
 
 def _report(job: str = "j", rank: int = 0, wait: float = 0.5, stage: str = "workers") -> Report:

@@ -17,8 +17,9 @@ How each side knows:
 
   server   the stream handler times its wait for the next entry (Consumer.next). When it
            waited STAMP_MIN_SECONDS or more, part 0 of the batch carries
-           `Frame.waited_us` (`wait_stamp`, prepended: protobuf merges fields in any order,
-           and `wire.parse_frame` reads everything before `data`). Absent: ready ahead.
+           `Frame.waited_us` (`stamped`: prepended, as protobuf merges fields in any order and
+           `wire.parse_frame` reads everything before `data`; a Frame that announces a node
+           before the batch is passed over). Absent: ready ahead.
   receiver stamps when part 0 arrived and when the batch was decoded (`copy`), and keeps
            the server's stamp (`workers`) with the batch.
   loop     `split_wait(waited, workers, copy)`: of a wait of `waited` seconds, the server's
@@ -43,7 +44,7 @@ answers UNIMPLEMENTED: the client stops reporting for good.
 
 from __future__ import annotations
 
-from remote_loader.protos import loader_pb2
+from remote_loader.protos import loader_pb2, wire
 
 WORKERS = "workers"
 IN_FLIGHT = "in flight"
@@ -77,3 +78,16 @@ def split_wait(waited: float, workers: float, copy: float) -> dict[str, float]:
     on_workers = min(waited, max(0.0, workers))
     on_copy = min(waited - on_workers, max(0.0, copy))
     return {WORKERS: on_workers, IN_FLIGHT: waited - on_workers - on_copy, COPY: on_copy}
+
+
+def stamped(frame: bytes, seconds: float) -> bytes | None:
+    """`frame` with the stamp saying its stream waited `seconds` for the batch (`frame` as it
+    is under STAMP_MIN_SECONDS), if it is the batch's first Frame; None if it is a Frame sent
+    before it (a node's announcement), for the stamp to go on the next one."""
+    stamp = wait_stamp(seconds)
+    if not stamp:
+        return frame
+    meta, _ = wire.parse_frame(frame)
+    if meta.parts == 0:
+        return None
+    return stamp + frame
