@@ -287,3 +287,19 @@ def test_the_reporter_stops_at_a_server_that_predates_the_report_call() -> None:
             assert reporter.sent == 0
     finally:
         older.stop(0)
+
+
+@pytest.mark.timeout(30)
+def test_the_reporter_thread_ends_once_the_loop_stops_reading_and_comes_back_with_it() -> None:
+    window = StallWindow(window=0.2)
+    with grpc.insecure_channel("127.0.0.1:1") as channel:  # never called: nothing is read
+        reporter = StallReporter(channel, window, interval=0.05)
+        reporter.follow("any", pb.Consumer(), 0)
+        thread = reporter._thread
+        assert thread is not None
+        thread.join(5)  # idle a window after follow(): it ends, holding nothing alive
+        assert not thread.is_alive() and reporter._thread is None
+        reporter.follow("any", pb.Consumer(), 1)  # the next stream starts another
+        assert reporter._thread is not None and reporter._thread.is_alive()
+        reporter.close()
+        assert reporter.sent == 0 and not reporter._thread.is_alive()
