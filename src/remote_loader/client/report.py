@@ -1,9 +1,11 @@
 """The reporter: a thread that tells the server, once a second, how much its trainer stalled and
 on which stage (the Report RPC; NOTE [ Stall stages ] in protos/stall.py).
 
-Started by a RemoteLoader's first stream, it reports while the training loop is reading (in
-next() now, or within the window), and stops for good when the server does not know the call
-(UNIMPLEMENTED: an older server). Any other failure is skipped: the next report follows.
+Started by a RemoteLoader's stream, it reports while the training loop is reading (in next()
+now, or within the window), and stops for good when the server does not know the call
+(UNIMPLEMENTED: an older server). Any other failure is skipped: the next report follows. A loop
+that stopped reading a window ago ends the thread (the next stream starts another), so a
+RemoteLoader dropped without close() keeps no thread, nor its channel, alive for long.
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ class StallReporter:
         self.reporter = secrets.randbits(63) + 1
         self._lock = threading.Lock()
         self._stream: tuple[str, pb.Consumer, int] | None = None
+        self._followed = 0.0  # when follow() last named a stream
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.unsupported = False  # the server answered UNIMPLEMENTED: no more reports
         self.sent = 0  # reports the server took
 
     def follow(self, loader: str, consumer: pb.Consumer, epoch: int) -> None:
-        """The stream being read now; the first call starts the thread."""
+        """The stream being read now; starts the thread unless it runs."""
         with self._lock:
             self._stream = (loader, consumer, epoch)
+            self._followed = self._clock()
             if self._thread is not None or self.unsupported or self._stopped.is_set():
                 return
             self._thread = threading.Thread(target=self._run, name="rl-stall-report", daemon=True)
@@ -87,6 +91,10 @@ class StallReporter:
             request = self.request(now, since)
             since = now
             if request is None:
+                with self._lock:
+                    if now - self._followed > self._window.window:
+                        self._thread = None  # idle: the next follow() starts another
+                        return
                 continue
             try:
                 self._report(request, timeout=self._interval, wait_for_ready=False)
