@@ -380,12 +380,13 @@ def _send_epoch(
                 yield error_frame(progress.batches, entry.error)
             else:
                 # NOTE [ Stall stages ]: part 0 says how long the stream waited for the batch.
-                stamp = stall.wait_stamp(consumer.waited)
+                waited: float | None = consumer.waited
                 # gRPC resumes this generator once it has written the Frame: the client took
                 # it, and the wait for it to take the next one starts.
                 for frame in sender.send(progress.batches, entry.outgoing, stopped):
-                    yield stamp + frame if stamp else frame
-                    stamp = b""
+                    if waited is not None and (first := stall.stamped(frame, waited)):
+                        frame, waited = first, None
+                    yield frame
                     slot.handing()
                 progress.nbytes += entry.nbytes
         except StreamStopped:
