@@ -72,6 +72,7 @@ PAGE = """<!DOCTYPE html>
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
 h1{font-size:1.3em;margin:0 0 .3em} h2{font-size:1.1em;margin:1.2em 0 .2em}
 .loader-figures{color:#444;margin-bottom:.4em}
+.loader-busy{color:#666;font-size:.9em;margin-bottom:.4em}
 table{border-collapse:collapse;background:#fff}
 td,th{padding:.25em .6em;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}
 th{background:#eee} td.name{text-align:left}
@@ -134,7 +135,10 @@ function render(status) {
       num(loader.make_seconds * 1e3, 1) + " ms, stream wait " +
       num(loader.stream_wait_seconds * 1e3, 1) + " ms, send " +
       num(loader.send_seconds * 1e3, 1) + " ms"));
-    box.appendChild(plot(loader.busy_history, 1, "#555", "workers busy"));
+    const busy = el("div", {class: "loader-busy"});
+    busy.appendChild(plot(loader.busy_history, 1, "#555", "workers busy"));
+    busy.appendChild(el("span", {}, " workers busy, last minute"));
+    box.appendChild(busy);
     const table = el("table", {class: "consumers"});
     const head = el("tr");
     for (const h of ["job", "rank", "sharing", "epoch", "stall", "stage", "batches/s", "lag",

@@ -60,10 +60,13 @@ def sparkline(values: Sequence[float], top: float, width: int, chars: str = SPAR
     return "".join(chars[min(last, round(last * max(0.0, m) / scale))] for m in means)
 
 
-def render(status: pb.ServerStatus, address: str, chars: str = SPARKS) -> list[Line]:
-    """The view of `status` as lines (the same in the live view and with --once)."""
+def render(
+    status: pb.ServerStatus, address: str, chars: str = SPARKS, live: bool = False
+) -> list[Line]:
+    """The view of `status` as lines (the same in the live view, `live`, and with --once)."""
     clock = time.strftime("%H:%M:%S")
-    lines: list[Line] = [(f"remote-loader top  {address}  {clock}  (q quits)", "title")]
+    hint = "  (q quits)" if live else ""
+    lines: list[Line] = [(f"remote-loader top  {address}  {clock}{hint}", "title")]
     for loader in status.loaders:
         lines.append(("", ""))
         lines.append(
@@ -154,7 +157,7 @@ def _live(screen: curses.window, channel: grpc.Channel, args: argparse.Namespace
     while True:
         if time.monotonic() >= due:
             try:
-                lines = render(fetch(channel, args.timeout), args.address, chars)
+                lines = render(fetch(channel, args.timeout), args.address, chars, live=True)
             except grpc.RpcError as exc:
                 lines = [(f"remote-loader top  {args.address}: {_why(exc)}", "hot")]
             due = time.monotonic() + args.interval
