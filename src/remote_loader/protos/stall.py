@@ -33,7 +33,7 @@ of at most a chunk (4 MiB, under a millisecond), made while the stream would hav
 An older client ignores the field (field 14 is new).
 
 Reports (client/report.py -> Report RPC -> server/stall.py): a RemoteLoader sends one small
-StallReport (about 60 bytes) per REPORT_INTERVAL while it reads, so control traffic is bounded
+StallReport (about 100 bytes) per REPORT_INTERVAL while it reads, so control traffic is bounded
 by one unary call per second per stream. The server keeps at most one report per reporter
 (its `reporter` id), drops a report that comes MIN_REPORT_GAP after the previous one of the
 same reporter (RESOURCE_EXHAUSTED), forgets a reporter silent for REPORT_TTL, and holds
