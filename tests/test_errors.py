@@ -34,7 +34,7 @@ from remote_loader.client import errors as client_errors
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons, wire
 from remote_loader.server import errors as server_errors
-from remote_loader.server.api.service import _statuses
+from remote_loader.server.api.service import statuses
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders
 
@@ -114,7 +114,7 @@ RAISE_METHOD = "/remote_loader.test.Errors/Raise"
 @contextlib.contextmanager
 def _raising_server() -> Iterator[grpc.Channel]:
     """A gRPC server on port 0 whose one method raises the server error class named by the
-    request through the service's own mapping (`_statuses`), or, for "old:NAME", ends the call
+    request through the service's own mapping (`statuses`), or, for "old:NAME", ends the call
     as a server from before the reasons did: the same status and message, no reason."""
     by_name = {cls.__name__: cls for cls in SERVER_CLASSES}
 
@@ -125,7 +125,7 @@ def _raising_server() -> Iterator[grpc.Channel]:
         message = f"{cls.__name__} raised (max_streams, if busy)"
         if old:
             context.abort(grpc.StatusCode[cls.status], message)
-        with _statuses(context):
+        with statuses(context):
             raise cls(message)
         yield b""  # a generator: a streaming handler, like Stream
 

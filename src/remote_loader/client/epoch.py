@@ -22,6 +22,7 @@ from remote_loader.client.receiver import (
     Ready,
     Receiver,
 )
+from remote_loader.client.stall import StallWindow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,11 @@ class LoaderStats:
     # Of `bytes`, those fetched from the nodes that made them rather than through the server
     # (NOTE [ Node data connection ]): bytes - node_bytes crossed the server's host.
     node_bytes: int = 0
+    # Over the last few seconds (about 10, across epochs; NOTE [ Stall stages ] in
+    # protos/stall.py): the share blocked in next(), and the stage that held most of it,
+    # "workers", "in flight" or "copy" ("" when the loop did not wait).
+    window_wait_fraction: float = 0.0
+    wait_stage: str = ""
 
 
 class EpochIterator(Iterator[Any]):
@@ -70,17 +76,20 @@ class EpochIterator(Iterator[Any]):
         timeout: float | None,
         length: Callable[[], int],
         overlength: Callable[[int], str | None] = lambda yielded: None,
+        window: StallWindow | None = None,
     ) -> None:
         """At the first `next()`, `begin(queue)` gives the epoch, the batch it starts from and
         the thread (not started) that fills `queue` (bounded: `prefetch` batches) with that
         epoch's stream; `position()` is that (epoch, batch) as it would be now. `timeout`
         bounds each `next()` (None: no bound, torch's timeout=0); `length()` is the loader's
-        len(); `overlength(n)` is the warning to give when the n-th batch is yielded, if any."""
+        len(); `overlength(n)` is the warning to give when the n-th batch is yielded, if any;
+        `window` is told of each wait (the loader's, across its epochs)."""
         self._begin = begin
         self._position = position
         self._timeout = timeout
         self._length = length
         self._overlength = overlength
+        self._window = window if window is not None else StallWindow()
         self._queue: queue.Queue[Item] = queue.Queue(maxsize=prefetch)
         self._done = False
         self.finished = False  # the epoch's end was reached (StopIteration)
@@ -145,10 +154,17 @@ class EpochIterator(Iterator[Any]):
         entered = time.monotonic()
         if self._first_next is None:
             self._first_next = entered
+        self._window.blocked(entered)
+        item: Item | None = None
         try:
             item = self._get()
         finally:
-            self._waited += time.monotonic() - entered
+            left = time.monotonic()
+            self._waited += left - entered
+            if isinstance(item, Ready):
+                self._window.waited(entered, left, item.workers_wait, item.copy_seconds)
+            else:
+                self._window.waited(entered, left)
         if isinstance(item, Ready):
             self._received += 1
             self._received_bytes += item.nbytes
@@ -163,8 +179,15 @@ class EpochIterator(Iterator[Any]):
 
     def stats(self) -> LoaderStats:
         reconnects = self._receiver.reconnects if self._started else 0
+        recent = self._window.figures()
         if self._first_next is None:
-            return LoaderStats(epoch=self.epoch, reconnects=reconnects, transport=self.transport)
+            return LoaderStats(
+                epoch=self.epoch,
+                reconnects=reconnects,
+                transport=self.transport,
+                window_wait_fraction=recent.wait_fraction,
+                wait_stage=recent.stage,
+            )
         elapsed = (self._ended_at or time.monotonic()) - self._first_next
         return LoaderStats(
             epoch=self.epoch,
@@ -176,6 +199,8 @@ class EpochIterator(Iterator[Any]):
             wait_fraction=min(1.0, self._waited / elapsed) if elapsed > 0 else 0.0,
             reconnects=reconnects,
             transport=self.transport,
+            window_wait_fraction=recent.wait_fraction,
+            wait_stage=recent.stage,
         )
 
     def _get(self) -> Item:

@@ -7,6 +7,8 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from remote_loader.client import connect
 from remote_loader.client.errors import LoaderNotFoundError
 from remote_loader.client.options import LoaderOptions
@@ -46,6 +48,11 @@ class ServerLink:
             )
         self._channel, stubs = connect.open_stubs(address, tls, options.token)
         self._describe, self._list, self._stream = stubs.describe, stubs.list, stubs.stream
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel, token and all, for calls beside the loader's own (stall reports)."""
+        return self._channel
 
     def describe(self, request: pb.DescribeRequest, what: str) -> pb.LoaderInfo:
         info: pb.LoaderInfo = self._call(self._describe, request, what)

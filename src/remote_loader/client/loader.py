@@ -18,7 +18,9 @@ from remote_loader.client.errors import SpecChangedError
 from remote_loader.client.link import ServerLink
 from remote_loader.client.options import LoaderOptions, resolve_options
 from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.report import StallReporter
 from remote_loader.client.security import TLS
+from remote_loader.client.stall import StallWindow
 from remote_loader.client.surface import LoaderSurface
 from remote_loader.client.types import Compression, Sharing, Transport
 from remote_loader.protos import loader_pb2 as pb
@@ -155,6 +157,10 @@ class RemoteLoader(LoaderSurface):
         self._closed = False
         self._link = ServerLink(options, self._buffers)
         self._slot_maps = self._link.slot_maps
+        # The trainer's stall over its last seconds, reported to the server once a second while
+        # it reads (NOTE [ Stall stages ] in protos/stall.py).
+        self._stall = StallWindow()
+        self._reporter = StallReporter(self._link.channel, self._stall)
         try:
             self.name = loader if loader is not None else self._link.only_loader()
             self._described = Descriptions(self._link, self.name, options, members)
@@ -253,6 +259,7 @@ class RemoteLoader(LoaderSurface):
             self._options.timeout,
             self.__len__,
             overlength,
+            self._stall,
         )
         return self._iterator
 
@@ -276,6 +283,7 @@ class RemoteLoader(LoaderSurface):
         what = f"loader {self.name!r} epoch {epoch} from {self.address}"
         receiver = self._link.receiver(request, start, out, what)
         cursor.take()  # once nothing above failed: an iterator that could not begin took none
+        self._reporter.follow(self.name, request.consumer, epoch)
         return epoch, start, receiver
 
     def _reading(self) -> EpochIterator | None:
@@ -388,6 +396,7 @@ class RemoteLoader(LoaderSurface):
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
+        self._reporter.close()
         self._link.close()
 
     def __enter__(self) -> RemoteLoader:

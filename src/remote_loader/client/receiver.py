@@ -67,6 +67,9 @@ class Ready:
     event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
     nbytes: int = 0  # the encoded batch's size (header and tensor data), for stats()
     transport: str = "grpc"  # how it arrived: "shm", "tcp", "node" or "grpc"
+    # Its stream's wait for the workers, and this receiver's time on it (NOTE [ Stall stages ]).
+    workers_wait: float = 0.0
+    copy_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -330,6 +333,8 @@ class Receiver(threading.Thread):
     def _read(self, frames: Iterator[tuple[pb.Frame, memoryview]], ends: StreamEnds) -> Item:
         expected = self._expected
         assembly: Assembly | None = None
+        # The batch being assembled: when its first frame came, and its stream's wait for it.
+        begun = workers_wait = 0.0
         finished: Finished | None = None
         for meta, data in frames:
             if finished is not None:
@@ -359,12 +364,15 @@ class Receiver(threading.Thread):
                     self._expected = expected
                     continue
                 assembly = Assembly(meta, self._pin, self._buffers)
+                begun, workers_wait = time.monotonic(), meta.waited_us / 1e6
             end = ends.carrying(meta)
             if not end.fill(meta, data, assembly):
                 if self._stopped.is_set():
                     return Finished(expected)  # stopped while the end waited for the batch
                 continue  # more parts of this batch to come
             ready = self._decode(assembly, end.name)
+            ready.workers_wait = workers_wait
+            ready.copy_seconds = time.monotonic() - begun
             assembly = None
             expected += 1
             if not self._put(ready):

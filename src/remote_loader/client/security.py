@@ -1,8 +1,5 @@
-"""How a RemoteLoader proves who it is and whom it talks to: TLS settings and the bearer token.
-
-The token rides on every call as metadata added by a channel interceptor, not as gRPC call
-credentials: grpc refuses call credentials on a plaintext channel, and a token is also useful
-there (a private network, TLS ended by a proxy).
+"""How a RemoteLoader proves who it is and whom it talks to: TLS settings and the bearer token
+(sent on every call by protos/channel.py's `with_token`).
 """
 
 from __future__ import annotations
@@ -10,21 +7,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import ssl
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
-from remote_loader.protos.channel import ChannelTLS, dial
+from remote_loader.protos.channel import ChannelTLS, dial, with_token
 
 TOKEN_ENV = "REMOTE_LOADER_TOKEN"
-
-if TYPE_CHECKING:  # generic in grpc-stubs only
-    _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
-    _UnaryStream = grpc.UnaryStreamClientInterceptor[Any, Any]
-else:
-    _UnaryUnary = grpc.UnaryUnaryClientInterceptor
-    _UnaryStream = grpc.UnaryStreamClientInterceptor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,50 +124,4 @@ def open_channel(
     token: str | None,
 ) -> grpc.Channel:
     """A channel to `address`: TLS or plaintext, sending `token` (if any) on every call."""
-    channel = dial(address, options, None if tls is None else tls.read())
-    if token is None:
-        return channel
-    return grpc.intercept_channel(channel, _BearerToken(token))
-
-
-@dataclasses.dataclass
-class _CallDetails(grpc.ClientCallDetails):
-    method: str
-    timeout: float | None
-    metadata: grpc.Metadata | None
-    credentials: grpc.CallCredentials | None
-    wait_for_ready: bool | None
-    compression: grpc.Compression | None
-
-
-class _BearerToken(_UnaryUnary, _UnaryStream):
-    """Adds `authorization: Bearer <token>` to every unary and server-streaming call."""
-
-    def __init__(self, token: str) -> None:
-        self._metadatum = ("authorization", f"Bearer {token}")
-
-    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(
-            details.method,
-            details.timeout,
-            (*(details.metadata or ()), self._metadatum),
-            details.credentials,
-            details.wait_for_ready,
-            details.compression,
-        )
-
-    def intercept_unary_unary(
-        self,
-        continuation: Callable[[grpc.ClientCallDetails, Any], grpc.CallFuture[Any]],
-        client_call_details: grpc.ClientCallDetails,
-        request: Any,
-    ) -> grpc.CallFuture[Any]:
-        return continuation(self._with_token(client_call_details), request)
-
-    def intercept_unary_stream(
-        self,
-        continuation: Callable[[grpc.ClientCallDetails, Any], grpc.CallIterator[Any]],
-        client_call_details: grpc.ClientCallDetails,
-        request: Any,
-    ) -> grpc.CallIterator[Any]:
-        return continuation(self._with_token(client_call_details), request)
+    return with_token(dial(address, options, None if tls is None else tls.read()), token)

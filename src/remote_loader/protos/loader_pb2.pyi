@@ -234,7 +234,7 @@ class StreamEnd(_message.Message):
     def __init__(self, batches: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "node_channel", "node", "data")
+    __slots__ = ("batch", "part", "parts", "total_bytes", "header_bytes", "error", "end", "shm", "tcp_channel", "on_tcp", "node_channel", "node", "waited_us", "data")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class Frame(_message.Message):
     ON_TCP_FIELD_NUMBER: _ClassVar[int]
     NODE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    WAITED_US_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     batch: int
     part: int
@@ -260,8 +261,9 @@ class Frame(_message.Message):
     on_tcp: bool
     node_channel: NodeChannel
     node: NodeBatch
+    waited_us: int
     data: bytes
-    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[CapturedError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., node_channel: _Optional[_Union[NodeChannel, _Mapping]] = ..., node: _Optional[_Union[NodeBatch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., total_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., error: _Optional[_Union[CapturedError, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmBatch, _Mapping]] = ..., tcp_channel: _Optional[_Union[TcpChannel, _Mapping]] = ..., on_tcp: _Optional[bool] = ..., node_channel: _Optional[_Union[NodeChannel, _Mapping]] = ..., node: _Optional[_Union[NodeBatch, _Mapping]] = ..., waited_us: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("tensor", "ndarray", "int", "float", "bool", "str", "bytes", "none", "list", "tuple", "dict")
@@ -324,3 +326,117 @@ class Mapping(_message.Message):
     values: _containers.RepeatedCompositeFieldContainer[Node]
     type: str
     def __init__(self, keys: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., type: _Optional[str] = ...) -> None: ...
+
+class StallReport(_message.Message):
+    __slots__ = ("loader", "consumer", "reporter", "epoch", "window_seconds", "wait_fraction", "workers", "in_flight", "copy", "stage", "batches_per_second", "recent_wait_fraction", "recent_stage")
+    LOADER_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RECENT_WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    RECENT_STAGE_FIELD_NUMBER: _ClassVar[int]
+    loader: str
+    consumer: Consumer
+    reporter: int
+    epoch: int
+    window_seconds: float
+    wait_fraction: float
+    workers: float
+    in_flight: float
+    copy: float
+    stage: str
+    batches_per_second: float
+    recent_wait_fraction: float
+    recent_stage: str
+    def __init__(self, loader: _Optional[str] = ..., consumer: _Optional[_Union[Consumer, _Mapping]] = ..., reporter: _Optional[int] = ..., epoch: _Optional[int] = ..., window_seconds: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., workers: _Optional[float] = ..., in_flight: _Optional[float] = ..., copy: _Optional[float] = ..., stage: _Optional[str] = ..., batches_per_second: _Optional[float] = ..., recent_wait_fraction: _Optional[float] = ..., recent_stage: _Optional[str] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStatus(_message.Message):
+    __slots__ = ("loaders", "history_interval")
+    LOADERS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    loaders: _containers.RepeatedCompositeFieldContainer[LoaderStatus]
+    history_interval: float
+    def __init__(self, loaders: _Optional[_Iterable[_Union[LoaderStatus, _Mapping]]] = ..., history_interval: _Optional[float] = ...) -> None: ...
+
+class LoaderStatus(_message.Message):
+    __slots__ = ("name", "backend", "workers", "busy", "batches_per_second", "bytes_per_second", "cpu_cores_used", "cores", "make_seconds", "stream_wait_seconds", "send_seconds", "consumers", "busy_history", "rate_history")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_USED_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    MAKE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    RATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    backend: str
+    workers: int
+    busy: float
+    batches_per_second: float
+    bytes_per_second: float
+    cpu_cores_used: float
+    cores: int
+    make_seconds: float
+    stream_wait_seconds: float
+    send_seconds: float
+    consumers: _containers.RepeatedCompositeFieldContainer[ConsumerStatus]
+    busy_history: _containers.RepeatedScalarFieldContainer[float]
+    rate_history: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., workers: _Optional[int] = ..., busy: _Optional[float] = ..., batches_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., cpu_cores_used: _Optional[float] = ..., cores: _Optional[int] = ..., make_seconds: _Optional[float] = ..., stream_wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., consumers: _Optional[_Iterable[_Union[ConsumerStatus, _Mapping]]] = ..., busy_history: _Optional[_Iterable[float]] = ..., rate_history: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ConsumerStatus(_message.Message):
+    __slots__ = ("consumer", "epoch", "attached", "lag", "ready", "reported", "wait_fraction", "workers", "in_flight", "copy", "stage", "batches_per_second", "report_age", "wait_history", "rate_history", "reporter")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    REPORT_AGE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    RATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    consumer: Consumer
+    epoch: int
+    attached: bool
+    lag: int
+    ready: int
+    reported: bool
+    wait_fraction: float
+    workers: float
+    in_flight: float
+    copy: float
+    stage: str
+    batches_per_second: float
+    report_age: float
+    wait_history: _containers.RepeatedScalarFieldContainer[float]
+    rate_history: _containers.RepeatedScalarFieldContainer[float]
+    reporter: int
+    def __init__(self, consumer: _Optional[_Union[Consumer, _Mapping]] = ..., epoch: _Optional[int] = ..., attached: _Optional[bool] = ..., lag: _Optional[int] = ..., ready: _Optional[int] = ..., reported: _Optional[bool] = ..., wait_fraction: _Optional[float] = ..., workers: _Optional[float] = ..., in_flight: _Optional[float] = ..., copy: _Optional[float] = ..., stage: _Optional[str] = ..., batches_per_second: _Optional[float] = ..., report_age: _Optional[float] = ..., wait_history: _Optional[_Iterable[float]] = ..., rate_history: _Optional[_Iterable[float]] = ..., reporter: _Optional[int] = ...) -> None: ...

@@ -1,22 +1,22 @@
 """Prometheus metrics: what each loader served to whom, where its batches waited, restarts.
 
 Every LoaderHost records into its own `LoaderMetrics`; a server shows its hosts' together, in the
-Prometheus text format, on an HTTP port of its own (`MetricsServer`, setting `metrics_address`).
+Prometheus text format, on an HTTP port of its own (`MetricsServer` in server/exposition.py,
+setting `metrics_address`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import socket
 import threading
-import wsgiref.simple_server
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.registry import CollectorRegistry
+
+from remote_loader.server.stall import OTHER_REPORTERS, StallBoard
 
 # Seconds, from a batch that was already waiting (1 ms) to a consumer stalled for minutes.
 BUCKETS = (
@@ -41,7 +41,9 @@ BUCKETS = (
 # counters must be. Job names and ranks are the clients' to choose, so a loader gives series of
 # their own to its first `max_consumers` label sets only; a consumer past them is counted under
 # job="other", rank="other" (its sharing mode kept). The bound on a scrape: about
-# 4 * (max_consumers + 3) consumer series per loader, whatever the clients send.
+# 9 * (max_consumers + 3) consumer series per loader, whatever the clients send (served, bytes,
+# errors, lag and ready; the stall and its 3 stages while a trainer reports, NOTE [ Stall
+# board ] in server/stall.py).
 CONSUMER_LABELS = ("loader", "job", "sharing", "rank")
 DEFAULT_MAX_CONSUMERS = 256
 OTHER = "other"
@@ -50,11 +52,35 @@ OTHER = "other"
 MAX_LABEL_CHARS = 64
 # The queues a batch passes through on the server, in order (remote_loader_queue_wait_seconds).
 QUEUES = ("index", "result", "reorder", "lane")
-# How long stopping the metrics server waits for its thread.
-STOP_TIMEOUT = 5.0
 
-# One row per attached consumer: (job, sharing, rank, lag in batches).
-ConsumerRow = tuple[str, str, int, int]
+
+class ConsumerRow(NamedTuple):
+    """An attached consumer (a stream), as scrapes and the status snapshot see it."""
+
+    job: str
+    sharing: str
+    rank: int
+    lag: int  # batches behind (remote_loader_consumer_lag_batches)
+    ready: int = 0  # its batches made and not yet sent to it
+    epoch: int = 0
+    world_size: int = 1
+
+
+@dataclasses.dataclass
+class Totals:
+    """Running totals of a loader, for rates over a few seconds (the status snapshot): worker
+    seconds making batches, batches and bytes sent, and the seconds and counts of the make,
+    stream-wait and send stages."""
+
+    busy: float = 0.0
+    batches: int = 0
+    nbytes: int = 0
+    make: float = 0.0
+    makes: int = 0
+    stream_wait: float = 0.0
+    waits: int = 0
+    send: float = 0.0
+    sends: int = 0
 
 
 class LoaderMetrics:
@@ -73,6 +99,14 @@ class LoaderMetrics:
         self._series: set[tuple[str, str, str]] = set()
         self._series_lock = threading.Lock()
         self._consumers: Callable[[], Iterable[ConsumerRow]] = list
+        self.workers = 0  # remote_loader_workers now
+        self._totals = Totals()
+        self._totals_lock = threading.Lock()
+        # The trainers' own reports of their stall (the Report RPC), within the same cap.
+        self.stalls = StallBoard(
+            lambda job, sharing, rank: self._labels(job, sharing, rank, add=False),
+            max_consumers + OTHER_REPORTERS,
+        )
         # Not registered anywhere: a server's MetricsServer collects its hosts' through collect().
         self.batches_served = Counter(
             "remote_loader_batches_served",
@@ -139,6 +173,13 @@ class LoaderMetrics:
             ("loader", "setting", "reason"),
             registry=None,
         )
+        self._busy = Counter(
+            "remote_loader_worker_busy_seconds",
+            "Seconds the loader's workers (or the server, with num_workers = 0) spent making "
+            "batches: rate() / remote_loader_workers is the share of the time they were busy.",
+            ("loader",),
+            registry=None,
+        )
         self._pool_workers = Gauge(
             "remote_loader_pool_workers",
             "Workers (processes or Ray actors) of the loader's pool when it last started.",
@@ -192,6 +233,7 @@ class LoaderMetrics:
             self._queue_wait.labels(loader, queue) for queue in QUEUES
         )
         self.latency = self._latency.labels(loader)
+        self.busy = self._busy.labels(loader)
         self.make = self._make.labels(loader)
         self.stream_wait = self._stream_wait.labels(loader)
         self.send = self._send.labels(loader)
@@ -206,6 +248,7 @@ class LoaderMetrics:
             self._workers,
             self._prefetch,
             self._worker_changes,
+            self._busy,
             self._queue_wait,
             self._latency,
             self._make,
@@ -223,6 +266,7 @@ class LoaderMetrics:
         `prefetch` tasks in flight (None: no workers): the gauges autotuning moves exist from
         the first scrape, whatever the loader's settings."""
         self._workers.labels(self.loader).set(workers)
+        self.workers = workers
         if prefetch is not None and workers > 0:
             self._prefetch.labels(self.loader).set(prefetch)
 
@@ -231,6 +275,8 @@ class LoaderMetrics:
         streams waited on `reason` ("production" or "consumers")."""
         gauge = self._workers if setting == "num_workers" else self._prefetch
         gauge.labels(self.loader).set(value)
+        if setting == "num_workers":
+            self.workers = value
         self._worker_changes.labels(self.loader, setting, reason).inc()
 
     def pool_started(self, backend: str, nodes: int, workers: int) -> None:
@@ -238,6 +284,7 @@ class LoaderMetrics:
         self._pool_nodes.labels(self.loader, backend).set(nodes)
         self._pool_workers.labels(self.loader, backend).set(workers)
         self._workers.labels(self.loader).set(workers)
+        self.workers = workers
 
     def watch_consumers(self, consumers: Callable[[], Iterable[ConsumerRow]]) -> None:
         """Where scrapes read the attached consumers and their lag from (the loader's Runs)."""
@@ -263,8 +310,30 @@ class LoaderMetrics:
     ) -> None:
         """A worker's batch came back: its time.monotonic() stamps (see Result in worker.py)."""
         self.index_wait.observe(max(0.0, started - submitted))
-        self.make.observe(max(0.0, finished - started))
+        self.made(finished - started)
         self.result_wait.observe(max(0.0, received - finished))
+
+    def made(self, seconds: float) -> None:
+        """A worker (or the server) spent `seconds` making a batch."""
+        seconds = max(0.0, seconds)
+        self.make.observe(seconds)
+        self.busy.inc(seconds)
+        self.add(busy=seconds, make=seconds, makes=1)
+
+    def add(self, **amounts: float) -> None:
+        """Adds to the running totals (Totals' fields)."""
+        with self._totals_lock:
+            for name, amount in amounts.items():
+                setattr(self._totals, name, getattr(self._totals, name) + amount)
+
+    def totals(self) -> Totals:
+        """A copy of the running totals."""
+        with self._totals_lock:
+            return dataclasses.replace(self._totals)
+
+    def consumers(self) -> list[ConsumerRow]:
+        """The consumers attached now (the loader's Runs)."""
+        return list(self._consumers())
 
     def batch_ready(self, submitted: float, received: float, now: float) -> None:
         """A batch left the reorder buffer for its lane."""
@@ -289,16 +358,27 @@ class LoaderMetrics:
             "batches made and not yet sent (shared by its consumers).",
             labels=CONSUMER_LABELS,
         )
+        ready = GaugeMetricFamily(
+            "remote_loader_consumer_ready_batches",
+            "Batches made and waiting to be sent to a consumer, ahead of it: 0 while it waits "
+            "on the workers. broadcast: the job's batches it has not read yet.",
+            labels=CONSUMER_LABELS,
+        )
         # Consumers with the same labels (two epochs of a job overlapping, broadcast
-        # consumers all rank 0) are one series: the one furthest behind.
-        # Consumers past max_consumers share job="other", rank="other" alike.
-        worst: dict[tuple[str, str, str, str], int] = {}
-        for job, sharing, rank, behind in rows:
-            key = self._labels(job, sharing, rank, add=False)
-            worst[key] = max(worst.get(key, 0), behind)
-        for labels, behind in sorted(worst.items()):
+        # consumers all rank 0) are one series: the one furthest behind (and the one with
+        # the fewest batches ready). Consumers past max_consumers share job="other",
+        # rank="other" alike.
+        worst: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+        for row in rows:
+            key = self._labels(row.job, row.sharing, row.rank, add=False)
+            behind, ahead = worst.get(key, (0, row.ready))
+            worst[key] = (max(behind, row.lag), min(ahead, row.ready))
+        for labels, (behind, ahead) in sorted(worst.items()):
             lag.add_metric(labels, behind)
+            ready.add_metric(labels, ahead)
         yield lag
+        yield ready
+        yield from self.stalls.collect()
 
 
 def label_value(text: str) -> str:
@@ -322,10 +402,12 @@ class StreamMetrics:
         """The stream took a batch after waiting `waited` s; it had been ready `queued` s."""
         self._loader.stream_wait.observe(waited)
         self._loader.lane_wait.observe(max(0.0, queued))
+        self._loader.add(stream_wait=waited, waits=1)
 
     def sending(self, seconds: float) -> None:
         """The stream was done with a batch `seconds` after it took it."""
         self._loader.send.observe(seconds)
+        self._loader.add(send=seconds, sends=1)
 
     def sent(self, nbytes: int, error: bool) -> None:
         """A batch of `nbytes` encoded bytes (or an error at its position) was sent."""
@@ -334,77 +416,4 @@ class StreamMetrics:
         else:
             self._batches.inc()
             self._bytes.inc(nbytes)
-
-
-class _Merged:
-    """Several loaders' metrics as one set of families (a family per name, all hosts' samples)."""
-
-    def __init__(self, loaders: Sequence[LoaderMetrics]) -> None:
-        self._loaders = list(loaders)
-
-    def collect(self) -> Iterator[Metric]:
-        merged: dict[str, Metric] = {}
-        for loader in self._loaders:
-            for family in loader.collect():
-                into = merged.get(family.name)
-                if into is None:
-                    into = merged[family.name] = Metric(
-                        family.name, family.documentation, family.type, family.unit
-                    )
-                into.samples.extend(family.samples)
-        yield from merged.values()
-
-
-class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per scrape on stderr is noise
-
-
-class MetricsServer:
-    """The loaders' metrics over HTTP (any path), in the Prometheus text format.
-
-    Bound when made (port 0: a free one, then in `port`), serving after `start()`, stopped by
-    `close()`. Each server has its own: several can run in one process (tests).
-    """
-
-    def __init__(self, address: str, loaders: Sequence[LoaderMetrics]) -> None:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ValueError(
-                f"metrics address must be HOST:PORT (port 0 picks a free one), got {address!r}"
-            )
-        self.registry = CollectorRegistry()
-        self.registry.register(_Merged(loaders))
-        host = host.strip("[]")  # [::1]:9090
-        try:
-            family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
-            server_class = type(
-                "MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family}
-            )
-            self._httpd: ThreadingWSGIServer = wsgiref.simple_server.make_server(
-                host,
-                int(port),
-                make_wsgi_app(self.registry),
-                server_class,
-                handler_class=_QuietHandler,
-            )
-        except OSError as exc:
-            raise OSError(
-                f"cannot serve metrics on {address}: {exc} (is another server using it?)"
-            ) from exc
-        self.port: int = self._httpd.server_port
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="rl-metrics", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stops serving and closes the port. Idempotent."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._httpd.shutdown()  # waits for serve_forever to return: only once it ran
-            thread.join(STOP_TIMEOUT)
-        self._httpd.server_close()
+            self._loader.add(batches=1, nbytes=nbytes)

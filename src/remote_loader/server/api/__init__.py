@@ -1,4 +1,6 @@
 """The gRPC face: the Server as a whole (ports, start, drain), the Loader service, its settings,
 request validation, stream admission and authentication, and how a failed call ends on the
-wire. Imports the sharing stage and everything below it, never the command line.
+wire; the trainers' stall reports (`report`), the status snapshot (`snapshot`) and its page on
+the metrics port (`page`). Imports the sharing stage and everything below it, never the command
+line.
 """

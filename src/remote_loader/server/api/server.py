@@ -27,13 +27,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.auth import TokenInterceptor
 from remote_loader.server.api.listen import check_address_free
+from remote_loader.server.api.methods import method_handlers
+from remote_loader.server.api.page import status_pages
+from remote_loader.server.api.report import Reports
 from remote_loader.server.api.service import LoaderService
 from remote_loader.server.api.settings import ServerSettings
-from remote_loader.server.api.validation import decoder
+from remote_loader.server.api.snapshot import Snapshots
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.engine.forkserver import (
     imported_since,
@@ -42,7 +44,7 @@ from remote_loader.server.engine.forkserver import (
 )
 from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.metrics import MetricsServer
+from remote_loader.server.exposition import MetricsServer
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.transports import DataListener
 
@@ -299,22 +301,9 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         idle_stream_timeout=settings.idle_stream_timeout,
         client_silence=(settings.keepalive_time_ms + settings.keepalive_timeout_ms) / 1000,
     )
-    handlers = {
-        "ListLoaders": grpc.unary_unary_rpc_method_handler(
-            service.ListLoaders,
-            request_deserializer=decoder(pb.ListLoadersRequest.FromString),
-            response_serializer=pb.ListLoadersResponse.SerializeToString,
-        ),
-        "Describe": grpc.unary_unary_rpc_method_handler(
-            service.Describe,
-            request_deserializer=decoder(pb.DescribeRequest.FromString),
-            response_serializer=pb.LoaderInfo.SerializeToString,
-        ),
-        # No response serializer: the handler yields Frames it serialized itself (see wire.py).
-        "Stream": grpc.unary_stream_rpc_method_handler(
-            service.Stream, request_deserializer=decoder(pb.StreamRequest.FromString)
-        ),
-    }
+    snapshots = Snapshots(hosts)
+    reports = Reports(service.host, snapshots.tick)
+    handlers = method_handlers(service, reports, snapshots)
     options: list[tuple[str, Any]] = [
         # Refuse to share a port with another server (a second server must fail, not split traffic).
         ("grpc.so_reuseport", 0),
@@ -367,7 +356,11 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
     # started and closed with the gRPC server.
     metrics = None
     if settings.metrics_address:
-        metrics = MetricsServer(settings.metrics_address, [host.metrics for host in hosts.values()])
+        metrics = MetricsServer(
+            settings.metrics_address,
+            [host.metrics for host in hosts.values()],
+            pages=status_pages(snapshots.status),
+        )
     if listen_data is not None:
         try:
             # With TLS, the data connections speak it too (NOTE [ TLS data connection ]).

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import grpc
 
-from remote_loader.protos import compression, shm, wire
+from remote_loader.protos import compression, shm, stall, wire
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp as tcp_protocol
 from remote_loader.server.api.admission import Admission, StreamSlot
@@ -107,7 +107,8 @@ class LoaderService:
         if self.draining:
             raise Closing("the server is shutting down (draining its running streams)")
 
-    def _host(self, name: str) -> LoaderHost:
+    def host(self, name: str) -> LoaderHost:
+        """The loader named `name` (empty: the only one); LoaderNotFound otherwise."""
         if not name:
             if len(self.hosts) == 1:
                 return next(iter(self.hosts.values()))
@@ -142,12 +143,12 @@ class LoaderService:
         self, request: pb.DescribeRequest | Undecodable, context: grpc.ServicerContext
     ) -> pb.LoaderInfo:
         described = decoded("Describe", request, context)
-        with _statuses(context):
+        with statuses(context):
             return self._describe(described)
 
     def _describe(self, request: pb.DescribeRequest) -> pb.LoaderInfo:
         self._refuse_when_draining()
-        host = self._host(request.loader)
+        host = self.host(request.loader)
         spec = host.spec
         info = pb.LoaderInfo(
             name=spec.name,
@@ -185,7 +186,7 @@ class LoaderService:
         self, request: pb.StreamRequest | Undecodable, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         streamed = decoded("Stream", request, context)  # before it counts as a stream
-        with _statuses(context):
+        with statuses(context):
             yield from self._counted_stream(streamed, context)
 
     def _counted_stream(
@@ -221,7 +222,7 @@ class LoaderService:
     ) -> tuple[LoaderHost, Membership, int, Reshard | None]:
         """The stream's loader, membership, seed and elastic origin; a CallFailed error for a
         request refused before anything reads the dataset."""
-        host = self._host(request.loader)
+        host = self.host(request.loader)
         membership = self._membership(host, request.consumer)
         if request.fingerprint and request.fingerprint != host.spec.fingerprint():
             raise SpecChanged(
@@ -317,7 +318,7 @@ class LoaderService:
                     f"loader {host.spec.name!r} failed outside the dataset: "
                     f"{type(exc).__name__}: {exc}"
                 )
-            # Here, not in _statuses: the stream's end line below logs the status.
+            # Here, not in statuses: the stream's end line below logs the status.
             _abort_with(context, exc)
         finally:
             if consumer is not None:
@@ -378,9 +379,13 @@ def _send_epoch(
             if entry.error is not None:
                 yield error_frame(progress.batches, entry.error)
             else:
+                # NOTE [ Stall stages ]: part 0 says how long the stream waited for the batch.
+                waited: float | None = consumer.waited
                 # gRPC resumes this generator once it has written the Frame: the client took
                 # it, and the wait for it to take the next one starts.
                 for frame in sender.send(progress.batches, entry.outgoing, stopped):
+                    if waited is not None and (first := stall.stamped(frame, waited)):
+                        frame, waited = first, None
                     yield frame
                     slot.handing()
                 progress.nbytes += entry.nbytes
@@ -426,7 +431,7 @@ def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) ->
 
 
 @contextlib.contextmanager
-def _statuses(context: grpc.ServicerContext) -> Iterator[None]:
+def statuses(context: grpc.ServicerContext) -> Iterator[None]:
     """The one mapping of errors to statuses (server/errors.py): a CallFailed ends the call
     with its status and message. (A stream maps its own errors once it has started, so that
     its end line can log the status; anything else there is reported as a CallFailed.)"""

@@ -1,17 +1,23 @@
 """The `remote-loader` command: `serve` hosts loaders, `demo` runs a server and two trainers,
-`check-config` validates a config file, `health` asks a server whether it is serving."""
+`check-config` validates a config file, `health` asks a server whether it is serving, `top`
+shows a running server's loaders and trainers live."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
+from remote_loader.server.cli.channel import (
+    ClientTLS,
+    add_tls_arguments,
+    open_channel,
+    tls_from_args,
+)
 
 # The demo's processes (re-exported: tests and benchmarks start servers with them).
 from remote_loader.server.cli.demo import run_demo
@@ -140,17 +146,24 @@ def _parser() -> argparse.ArgumentParser:
         "--service", default="", help="health service name (default: the whole server)"
     )
     # No token: the health service answers without one (server/api/auth.py).
-    health.add_argument(
-        "--tls", action="store_true", help="use TLS, trusting the system's CAs (see --tls-ca)"
+    add_tls_arguments(health)
+
+    top = sub.add_parser(
+        "top",
+        help="a live view of a server's loaders and trainers: is the GPU waiting?",
+        description="Shows each loader (workers, busy, CPU, rates) and each trainer (stall, "
+        "the stage holding it, rate, lag, with the last minute as sparklines), refreshed "
+        "every --interval seconds; q or Ctrl-C quits. Token: --token-file or "
+        "REMOTE_LOADER_TOKEN, as trainers send it.",
     )
-    health.add_argument("--tls-ca", help="PEM CA the server's certificate is checked against")
-    health.add_argument("--tls-cert", help="PEM client certificate, for an mTLS server")
-    health.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    health.add_argument(
-        "--tls-server-name",
-        help="name to check the server's certificate against, when ADDR's host is not in it "
-        "(e.g. 127.0.0.1 inside the server's container)",
+    top.add_argument("address", help="HOST:PORT of a remote-loader server")
+    top.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
+    top.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
     )
+    top.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    top.add_argument("--token-file", help="file holding the server's token")
+    add_tls_arguments(top)
 
     demo = sub.add_parser("demo", help="run a server and two trainers on the demo images")
     demo.add_argument(
@@ -177,7 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "health":
-        return _health(args.address, args.timeout, args.service, _health_tls(args))
+        return _health(args.address, args.timeout, args.service, tls_from_args(args))
+    if args.command == "top":
+        from remote_loader.server.cli.top import run_top
+
+        return run_top(args)
     return run_demo(args.trainers, args.epochs, args.batch_size, args.num_workers, args.ray_address)
 
 
@@ -275,49 +292,13 @@ def _pool_text(spec: LoaderSpec, ray_address: str | None) -> str:
     return f"pool {pool.backend}"
 
 
-@dataclasses.dataclass(frozen=True)
-class HealthTLS:
-    """How `health` reaches a TLS server: PEM paths (None: the system's CAs, no client cert)."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
-
-
-def _health_tls(args: argparse.Namespace) -> HealthTLS | None:
-    given = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-    if not args.tls and all(v is None for v in given):
-        return None
-    return HealthTLS(*given)
-
-
-def _health_channel(address: str, tls: HealthTLS | None) -> Any:
-    """A channel to `address`, as a RemoteLoader opens it; ConfigError for TLS files that
-    cannot be read."""
-    from remote_loader.protos.channel import ChannelTLS, dial
-    from remote_loader.server.api.auth import read_pem
-
-    if tls is None:
-        return dial(address)
-    if (tls.cert is None) != (tls.key is None):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    pem = ChannelTLS(
-        ca=None if tls.ca is None else read_pem("--tls-ca", tls.ca),
-        key=None if tls.key is None else read_pem("--tls-key", tls.key),
-        cert=None if tls.cert is None else read_pem("--tls-cert", tls.cert),
-        server_name=tls.server_name,
-    )
-    return dial(address, tls=pem)
-
-
-def _health(address: str, timeout: float, service: str, tls: HealthTLS | None = None) -> int:
+def _health(address: str, timeout: float, service: str, tls: ClientTLS | None = None) -> int:
     """0 if `address` answers SERVING, 1 if it answers anything else, 2 if it does not answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        channel = _health_channel(address, tls)
+        channel = open_channel(address, tls)
     except ConfigError as exc:
         print(f"remote-loader: error: {exc}", file=sys.stderr)
         return 2

@@ -5,10 +5,15 @@ NOTE [ Worker autotuning ]
 Every TUNE_INTERVAL the pool tells the tuner how long its workers spent making batches since
 the last decision; busy = that time / (workers * interval).
 
-- Busy above ADD_ABOVE: the workers cannot keep up, so the streams wait on production. A worker
-  is added if the host has at least half a core idle (from /proc/stat over the same interval)
-  and the pool is below max_workers: more workers on a saturated host only take CPU from each
-  other and from the server.
+- The trainers wait on the workers: a worker is added if the host has at least half a core
+  idle (from /proc/stat over the same interval) and the pool is below max_workers: more
+  workers on a saturated host only take CPU from each other and from the server. Where the
+  trainers report their stall (NOTE [ Stall stages ] in protos/stall.py; the pool reads the
+  loader's StallBoard, server/stall.py), that means one of them spent more than STALL_ADD_ABOVE
+  of its last second blocked in next() on the stage "workers"; while they report and none
+  does, no worker is added however busy the workers are (they keep up: one more would only
+  make batches sooner than anyone reads them). Where none reports (older clients), the
+  workers' busy time stands in for it: busy above ADD_ABOVE.
 - Busy below REMOVE_BELOW, the pool below its cap of tasks in flight: the workers wait for
   room, so the consumers are the bottleneck (or nobody reads); one worker goes, down to one
   (with prefetch_factor = "auto", the queue per worker is made shallower first).
@@ -45,6 +50,8 @@ log = logging.getLogger(__name__)
 
 TUNE_INTERVAL = 1.0
 ADD_ABOVE = 0.85
+# A trainer blocked on the workers more than this share of its last second wants a worker.
+STALL_ADD_ABOVE = 0.05
 REMOVE_BELOW = 0.5
 # Idle CPU (in cores) the host must have for a worker to be added.
 MIN_IDLE_CORES = 0.5
@@ -123,6 +130,8 @@ class Resizer:
         self.tuner = tuner
         self._loader = loader
         self._metrics = metrics
+        if tuner.stall is None:
+            tuner.stall = metrics.stalls.workers_stall  # what the trainers report
 
     def made(self, seconds: float, nbytes: int) -> None:
         self.tuner.made(seconds, nbytes)
@@ -190,6 +199,7 @@ class WorkerTuner:
         interval: float = TUNE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         idle_cores: Callable[[], float | None] | None = None,
+        stall: Callable[[], float | None] | None = None,
     ) -> None:
         self.max_workers = max_workers
         self.max_pool_bytes = max_pool_bytes
@@ -201,6 +211,8 @@ class WorkerTuner:
         self.interval = interval
         self._clock = clock
         self._idle_cores = idle_cores if idle_cores is not None else host_idle_cores()
+        # The trainers' wait on the workers (StallBoard.workers_stall); None: none reports.
+        self.stall = stall
         self._since = clock()
         self._busy = 0.0
         self._settling = False  # the interval after a change: measured, not acted on
@@ -225,11 +237,12 @@ class WorkerTuner:
         busy = self._busy / (workers * elapsed)
         capped = self._capped / self._polls if self._polls else 0.0
         idle = self._idle_cores()
+        stall = self.stall() if self.stall is not None else None
         self._since, self._busy, self._polls, self._capped = now, 0.0, 0, 0
         if self._settling:
             self._settling = False
             return None
-        decision = self._choose(workers, busy, capped, idle)
+        decision = self._choose(workers, busy, capped, idle, stall)
         self._settling = decision is not None
         return decision
 
@@ -239,18 +252,22 @@ class WorkerTuner:
         return self.max_pool_bytes is None or in_flight <= self.max_pool_bytes
 
     def _choose(
-        self, workers: int, busy: float, capped: float, idle: float | None
+        self, workers: int, busy: float, capped: float, idle: float | None, stall: float | None
     ) -> Decision | None:
-        if busy > ADD_ABOVE:
+        short = busy > ADD_ABOVE if stall is None else stall > STALL_ADD_ABOVE
+        if short or busy > ADD_ABOVE:
             if (
-                self.tunes_workers
+                short
+                and self.tunes_workers
                 and workers < self.max_workers
                 and self._fits(workers + 1, self.prefetch)
                 and idle is not None
                 and idle >= MIN_IDLE_CORES
             ):
-                detail = f"workers {busy:.0%} busy, {idle:.1f} cores idle on the host"
-                return Decision(+1, "production", detail)
+                why = f"workers {busy:.0%} busy"
+                if stall is not None:
+                    why = f"trainers {stall:.0%} stalled on the workers, {why}"
+                return Decision(+1, "production", f"{why}, {idle:.1f} cores idle on the host")
             return None
         if capped > CAPPED_ABOVE:
             # Workers idle while the pool sat at its cap: tasks queued behind a slow one while

@@ -91,7 +91,7 @@ class InlineEngine:
         )
         if made.error is None and made.encoded is None:
             return Outcome(task_id, None)  # the IterableDataset ran dry
-        self._metrics.make.observe(time.monotonic() - started)
+        self._metrics.made(time.monotonic() - started)
         if made.error is not None:
             return Outcome(task_id, Delivery(error=made.error))
         encoded = made.encoded

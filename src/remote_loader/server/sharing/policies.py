@@ -134,6 +134,10 @@ class Policy(abc.ABC, Generic[S]):
     def lag(self, seat: S) -> int:
         """How many batches the consumer is behind, for metrics."""
 
+    @abc.abstractmethod
+    def ready(self, seat: S) -> int:
+        """How many batches are made and waiting for the consumer to take them, for metrics."""
+
     # --- production (the Run's thread) --------------------------------------------------------
 
     def set_window(self, window: int) -> None:
@@ -195,6 +199,9 @@ class _QueuePolicy(Policy[Holder]):
 
     def lag(self, seat: Holder) -> int:
         return len(seat.lane.pending) + seat.lane.taken
+
+    def ready(self, seat: Holder) -> int:
+        return len(seat.lane.pending)
 
 
 class Partition(_QueuePolicy):
@@ -369,6 +376,9 @@ class Broadcast(Policy[Reader]):
 
     def lag(self, seat: Reader) -> int:
         return max((r.cursor for r in self._readers), default=0) - seat.cursor
+
+    def ready(self, seat: Reader) -> int:
+        return max(0, self._lane.produced - seat.cursor)
 
     def set_window(self, window: int) -> None:
         pass  # the broadcast window is the spec's, whatever the engine keeps in flight

@@ -92,6 +92,8 @@ class Consumer:
         self.seat = seat
         self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
         self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
+        # How long that next() waited for its entry (NOTE [ Stall stages ] in protos/stall.py).
+        self.waited = 0.0
         self.errors = 0  # errors at batch positions sent (the stream's end line)
         self._on_close = on_close
         # Both set by the Run, under its `cond`: the Run has let go of this consumer (next()
@@ -118,7 +120,8 @@ class Consumer:
                 entry = run.policy.take(self.seat)
                 if entry is not None:
                     self._taken_at = time.monotonic()
-                    self.metrics.took(self._taken_at - asked, self._taken_at - entry.made_at)
+                    self.waited = self._taken_at - asked
+                    self.metrics.took(self.waited, self._taken_at - entry.made_at)
                     return entry
                 if run.policy.finished(self.seat):
                     return None
@@ -289,10 +292,18 @@ class Run:
             self.detach(consumer)
 
     def lags(self) -> list[ConsumerRow]:
-        """Each consumer served and how many batches it is behind (for metrics)."""
+        """Each consumer served, how many batches it is behind and has ready (for metrics)."""
         with self.cond:
             return [
-                (c.membership.job, c.membership.sharing, c.membership.rank, self.policy.lag(c.seat))
+                ConsumerRow(
+                    c.membership.job,
+                    c.membership.sharing,
+                    c.membership.rank,
+                    self.policy.lag(c.seat),
+                    self.policy.ready(c.seat),
+                    self.key.epoch,
+                    c.membership.world_size,
+                )
                 for c in self.consumers
             ]
 
