@@ -11,14 +11,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from remote_loader.protos import tcp
 
-if TYPE_CHECKING:
-    from remote_loader.server.batch.node_directory import NodeDirectory
-
 Address = tuple[str, int]
+
+
+class Directory(Protocol):
+    """What a NodeBatch and the senders of its stream ask of the pool's nodes: the
+    NodeDirectory (server/batch/node_directory.py) fills it. A protocol, so that this module,
+    which the directory imports, does not import it back."""
+
+    def watched(self, address: Address) -> bool: ...
+    def nodes(self) -> list[Address]: ...
+    def ticket(self, nonce: bytes) -> bytes: ...
+    def wait_reached(
+        self, nonce: bytes, address: Address, deadline: float, stopped: Callable[[], bool]
+    ) -> bool: ...
+    def push(self, batch: NodeBatch, nonce: bytes) -> bool: ...
+    def forget(self, nonce: bytes) -> None: ...
+    def fetch(
+        self, address: Address, slot: int, generation: int, offset: int, into: memoryview
+    ) -> None: ...
+
 
 # A NodeBatch's states: on its node (KEPT), here in the server's room (HERE), its node lost
 # and to be made again (ORPHANED), not fetched by the server but its node not (yet) known lost
@@ -38,7 +54,7 @@ class NodeBatch:
 
     def __init__(
         self,
-        directory: NodeDirectory,
+        directory: Directory,
         address: Address,
         slot: int,
         generation: int,

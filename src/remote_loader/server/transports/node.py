@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterator
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import node, wire
-from remote_loader.server.batch.node_batch import Address, NodeBatch
-from remote_loader.server.batch.node_directory import NodeDirectory
+from remote_loader.server.batch.node_batch import Address, Directory, NodeBatch
 from remote_loader.server.batch.outgoing import Outgoing
 from remote_loader.server.transports.base import Sender, StreamStopped
 
@@ -55,7 +54,7 @@ class NodeSender:
         # Per (directory, node) announced: until when a batch of it waits for the trainer to
         # reach it.
         self._deadlines: dict[tuple[int, Address], float] = {}
-        self._directories: dict[int, NodeDirectory] = {}
+        self._directories: dict[int, Directory] = {}
         # The leases of batches named and not yet fetched whole (ended at close), and their
         # handles, which the node's SERVED finds only while someone holds them.
         self._held: dict[int, tuple[Callable[[], None], NodeBatch]] = {}
@@ -92,7 +91,7 @@ class NodeSender:
         else:
             yield from self.inner.send(batch, outgoing, stopped)
 
-    def _announce(self, directory: NodeDirectory, address: Address) -> bytes:
+    def _announce(self, directory: Directory, address: Address) -> bytes:
         self._deadlines[(id(directory), address)] = time.monotonic() + REACH_WAIT
         host, port = address
         channel = pb.NodeChannel(
