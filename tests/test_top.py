@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,8 +89,11 @@ def _live_top(address: str, key: bytes) -> tuple[int, str]:
     then types `key`; its exit code and the screen text it drew."""
     if shutil.which("script") is None:
         pytest.skip("needs util-linux `script` for a pseudo-terminal")
-    command = " ".join([*TOP, address, "--interval", "0.5"])
-    env = subprocess_env(TERM="xterm", LINES="40", COLUMNS="160", LANG="C.UTF-8")
+    # `script` runs the command through $SHELL, and dash (CI's /bin/sh) stays as its parent:
+    # Ctrl-C would kill that shell, and `script` report its 130, whatever top did. `exec`
+    # makes top the process `script` waits for, under any shell.
+    command = "exec " + shlex.join([*TOP, address, "--interval", "0.5"])
+    env = subprocess_env(TERM="xterm", LINES="40", COLUMNS="160", LANG="C.UTF-8", SHELL="/bin/sh")
     screen = b""
     with subprocess.Popen(
         ["script", "-qfec", command, "/dev/null"],
