@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset
 from remote_loader.server.config.sampling import (
     Batching,
     EpochPlan,
+    LoaderWarning,
     dataloader_with_warnings,
     epoch_length,
     plan_epoch,
@@ -119,6 +120,8 @@ class LoaderHost:
         pool = spec.parts.pool
         workers = pool.num_workers > 0 or pool.autotune
         self.shared = share(spec, self.dataset) if workers else SharedDataset()
+        if self.shared.warning is not None:
+            self.warnings += (LoaderWarning("UserWarning", self.shared.warning),)
         self._ctx = ctx
         self._cond = threading.Condition()
         # The last pool started (for Describe): its backend, nodes and workers.
