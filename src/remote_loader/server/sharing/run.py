@@ -26,12 +26,12 @@ from remote_loader.server.errors import (
     Detached,
     LoaderBroken,
 )
-from remote_loader.server.logfmt import logfmt
-from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
 from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW, Entry, Lane
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import Policy, Seat, policy_for
+from remote_loader.server.telemetry.logfmt import logfmt
+from remote_loader.server.telemetry.metrics import ConsumerRow, LoaderMetrics
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from contextlib import AbstractContextManager
 from remote_loader.server.config.sampling import EpochPlan
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import Engine
-from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
 from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import policy_for
 from remote_loader.server.sharing.run import Consumer, Run, RunKey
+from remote_loader.server.telemetry.metrics import ConsumerRow, LoaderMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Prometheus metrics: what each loader served to whom, where its batches waited, restarts.
 
 Every LoaderHost records into its own `LoaderMetrics`; a server shows its hosts' together, in the
-Prometheus text format, on an HTTP port of its own (`MetricsServer` in server/exposition.py,
-setting `metrics_address`).
+Prometheus text format, on an HTTP port of its own (`MetricsServer` in
+server/telemetry/exposition.py, setting `metrics_address`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from remote_loader.server.stall import OTHER_REPORTERS, StallBoard
+from remote_loader.server.telemetry.stall import OTHER_REPORTERS, StallBoard
 
 # Seconds, from a batch that was already waiting (1 ms) to a consumer stalled for minutes.
 BUCKETS = (
@@ -43,7 +43,7 @@ BUCKETS = (
 # job="other", rank="other" (its sharing mode kept). The bound on a scrape: about
 # 9 * (max_consumers + 3) consumer series per loader, whatever the clients send (served, bytes,
 # errors, lag and ready; the stall and its 3 stages while a trainer reports, NOTE [ Stall
-# board ] in server/stall.py).
+# board ] in server/telemetry/stall.py).
 CONSUMER_LABELS = ("loader", "job", "sharing", "rank")
 DEFAULT_MAX_CONSUMERS = 256
 OTHER = "other"
