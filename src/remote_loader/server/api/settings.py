@@ -18,7 +18,7 @@ from remote_loader.server.api.auth import ServerTLS, check_token, load_tls, toke
 from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.spec import ConfigError
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.telemetry.metrics import DEFAULT_MAX_CONSUMERS
+from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
 
 ENV_PREFIX = "REMOTE_LOADER_"
 # Requests are a few plain fields (loader, epoch, seed, consumer): anything near this is a
@@ -53,7 +53,7 @@ class ServerSettings:
     metrics_address: str = ""
     # Consumer label sets (job, sharing, rank) each loader gives metric series of their own;
     # consumers past them are counted under job="other", rank="other"
-    # (server/telemetry/metrics.py), so client-chosen job names cannot grow the metrics without
+    # (server/telemetry/series.py), so client-chosen job names cannot grow the metrics without
     # bound.
     metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS
     # Largest encoded batch in bytes; a bigger one is an error at its position (why 2 GiB:

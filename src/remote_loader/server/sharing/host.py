@@ -41,7 +41,8 @@ from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import admit, policy_for
 from remote_loader.server.sharing.run import BorrowAbandoned, Consumer
 from remote_loader.server.sharing.runs import Runs
-from remote_loader.server.telemetry.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
 from remote_loader.server.worker.dataset import SharedDataset, build_dataset, share
 
 log = logging.getLogger(__name__)

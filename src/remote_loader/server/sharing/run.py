@@ -31,7 +31,8 @@ from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW, Entry, Lane
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import Policy, Seat, policy_for
 from remote_loader.server.telemetry.logfmt import logfmt
-from remote_loader.server.telemetry.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import ConsumerRow
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import policy_for
 from remote_loader.server.sharing.run import Consumer, Run, RunKey
-from remote_loader.server.telemetry.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import ConsumerRow
 
 log = logging.getLogger(__name__)
 
