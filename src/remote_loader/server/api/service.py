@@ -40,11 +40,11 @@ from remote_loader.server.errors import (
     SpecChanged,
     clip,
 )
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.sharing.membership import DEFAULT_JOB, Membership
 from remote_loader.server.sharing.policies import policy_for
-from remote_loader.server.sharing.run import Consumer
 from remote_loader.server.telemetry.logfmt import logfmt
 from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,

@@ -31,6 +31,7 @@ from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine
 from remote_loader.server.errors import Closing
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import (
     Reshard,
     ReshardError,
@@ -39,7 +40,7 @@ from remote_loader.server.sharing.elastic import (
 )
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import admit, policy_for
-from remote_loader.server.sharing.run import BorrowAbandoned, Consumer
+from remote_loader.server.sharing.run import BorrowAbandoned
 from remote_loader.server.sharing.runs import Runs
 from remote_loader.server.telemetry.metrics import LoaderMetrics
 from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
