@@ -15,7 +15,7 @@ from remote_loader.server.engine.seam import POLL_INTERVAL
 from remote_loader.server.errors import CapturedError, Closing, Detached, LoaderBroken
 from remote_loader.server.sharing.lanes import Entry
 from remote_loader.server.sharing.membership import Membership
-from remote_loader.server.sharing.policies import Policy, Seat
+from remote_loader.server.sharing.policy import Policy, Seat
 from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 
@@ -46,7 +46,7 @@ class Consumer:
     """One stream's handle on its Run: `next()` an entry, send it, `done()` with it.
 
     What it keeps is what every sharing mode needs; what one mode keeps per consumer is its
-    policy's (`seat`, server/sharing/policies.py). `on_close(consumer, join)` is the registry's
+    policy's (`seat`, server/sharing/policy.py). `on_close(consumer, join)` is the registry's
     (Runs._detach, through the Run): `join` waits (bounded) for a Run this ends to end."""
 
     def __init__(

@@ -26,7 +26,8 @@ from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW, Lane
 from remote_loader.server.sharing.membership import Membership
-from remote_loader.server.sharing.policies import Policy, Seat, policy_for
+from remote_loader.server.sharing.policies import policy_for
+from remote_loader.server.sharing.policy import Policy, Seat
 from remote_loader.server.telemetry.logfmt import logfmt
 from remote_loader.server.telemetry.metrics import LoaderMetrics
 from remote_loader.server.telemetry.series import ConsumerRow
