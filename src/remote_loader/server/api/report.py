@@ -10,7 +10,7 @@ import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.stall import STAGES
-from remote_loader.server.api.service import statuses
+from remote_loader.server.api.status import statuses
 from remote_loader.server.api.validation import Undecodable, decoded
 from remote_loader.server.errors import InvalidRequest, ServerBusy, clip
 from remote_loader.server.sharing.host import LoaderHost
