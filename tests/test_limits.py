@@ -146,7 +146,7 @@ def _lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[st
         lines = [
             r.getMessage()
             for r in caplog.records
-            if r.name == "remote_loader.server.api.service" and r.getMessage().startswith(prefix)
+            if r.name == "remote_loader.server.api.stream" and r.getMessage().startswith(prefix)
         ]
         if len(lines) >= count or time.monotonic() > deadline:
             return lines
@@ -160,7 +160,7 @@ def _fields(line: str) -> dict[str, str]:
 def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.stream")
     broken = LoaderSpec(
         name="broken",
         dataset="tests.datasets:Squares",

@@ -19,7 +19,7 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
-from remote_loader.server.metrics import MAX_LABEL_CHARS
+from remote_loader.server.telemetry.series import MAX_LABEL_CHARS
 from tests.conftest import ServeLoaders
 from tests.test_metrics import scrape, value
 

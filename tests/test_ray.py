@@ -27,7 +27,8 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
-from remote_loader.server.config.spec import ConfigError, LoaderSpec, read_config
+from remote_loader.server.config.file import read_config
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.engine import autotune
 from tests.conftest import assert_same, wait_until
 from tests.test_parity import CASES, SEED, local_batches

@@ -10,7 +10,8 @@ import pytest
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
-from remote_loader.server.config.spec import ConfigError, read_config
+from remote_loader.server.config.file import read_config
+from remote_loader.server.config.spec import ConfigError
 from tests.conftest import subprocess_env
 
 LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'

@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from remote_loader.server.config.spec import LoaderSpec, spec_from_table
+from remote_loader.server.config.file import spec_from_table
+from remote_loader.server.config.spec import LoaderSpec
 
 pytestmark = pytest.mark.unit
 

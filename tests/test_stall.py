@@ -18,7 +18,7 @@ from remote_loader.protos import stall, wire
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.stall import Report, StallBoard
+from remote_loader.server.telemetry.stall import Report, StallBoard
 from tests.stalls import (
     Trainer,
     consumers_of,

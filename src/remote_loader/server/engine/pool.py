@@ -34,7 +34,7 @@ from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import POLL_INTERVAL, WorkerInitError, in_flight_bound
 from remote_loader.server.engine.slots import SlotTable
 from remote_loader.server.engine.supervisor import Supervisor
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 __all__ = ["WorkerPool"]
 
@@ -72,7 +72,7 @@ __all__ = ["WorkerPool"]
 # Timing: a Result carries the worker's time.monotonic() when it took the task and when it was
 # done (one clock for every process of a Linux host); with the task's submit time and the time
 # poll read it, they give the index queue wait, the making and the result pipe wait
-# (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/metrics.py).
+# (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/telemetry/metrics.py).
 #
 # The Ray backend (server/engine/ray/backend.py) keeps this protocol, with its bridge process in the
 # middle (NOTE [ Ray bridge ] in server/engine/ray/bridge.py): EpochStart and Task go to an actor as

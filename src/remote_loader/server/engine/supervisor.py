@@ -20,7 +20,7 @@ from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import WorkerDiedError
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine
 from remote_loader.server.errors import Closing
-from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import (
     Reshard,
     ReshardError,
@@ -41,8 +41,10 @@ from remote_loader.server.sharing.elastic import (
 )
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import admit, policy_for
-from remote_loader.server.sharing.run import BorrowAbandoned, Consumer
+from remote_loader.server.sharing.run import BorrowAbandoned
 from remote_loader.server.sharing.runs import Runs
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
 from remote_loader.server.worker.dataset import SharedDataset, build_dataset, share
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ class LoaderHost:
         # The server's settings its pools are made with (the same for every loader).
         self.pool_options = pool_options if pool_options is not None else PoolOptions()
         # What this loader served and where its batches waited; a server's MetricsServer
-        # shows it (server/metrics.py).
+        # shows it (server/telemetry/metrics.py).
         self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
         self.metrics.configured(spec.parts.pool.num_workers, spec.parts.pool.prefetch_factor)
         require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
