@@ -76,9 +76,9 @@ from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.backend import Event, Short, WorkerReady
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.engine.ray.bridge import (
-    ACTOR_START_TIMEOUT,
-    MAX_FAILED_STARTS,
+from remote_loader.server.engine.ray.bridge import ACTOR_START_TIMEOUT, bridge_main
+from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
+from remote_loader.server.engine.ray.messages import (
     ActorStarted,
     BridgeConfig,
     Kill,
@@ -89,9 +89,8 @@ from remote_loader.server.engine.ray.bridge import (
     Spawn,
     Started,
     StartFailed,
-    bridge_main,
 )
-from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
+from remote_loader.server.engine.ray.starts import MAX_FAILED_STARTS
 from remote_loader.server.engine.seam import WorkerDiedError, WorkerInitError
 from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.dataset import SharedDataset
