@@ -1,4 +1,4 @@
-"""Batch types as torch's DataLoader keeps them (NOTE [ Batch types ] in protos/decoding.py): a
+"""Batch types as torch's DataLoader keeps them (NOTE [ Batch types ] in protos/batch_types.py): a
 namedtuple, a dataclass or a Mapping subclass comes back as its class where the client can import
 it, else as a stand-in with a warning; headers without a type decode as before.
 """
@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils.data import DataLoader, default_collate
 
 from remote_loader.client import RemoteLoader
-from remote_loader.protos import codec, decoding, loader_pb2
+from remote_loader.protos import batch_types, codec, loader_pb2
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import ServeLoaders
 from tests.conftest import assert_same as assert_same_batches
@@ -83,10 +83,10 @@ class NeedsArgs(dict[str, Any]):
 
 
 @pytest.fixture(autouse=True)
-def fresh_types(monkeypatch: pytest.MonkeyPatch) -> decoding._Types:
+def fresh_types(monkeypatch: pytest.MonkeyPatch) -> batch_types.BatchTypes:
     """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
-    types = decoding._Types()
-    monkeypatch.setattr(decoding, "_TYPES", types)
+    types = batch_types.BatchTypes()
+    monkeypatch.setattr(batch_types, "TYPES", types)
     return types
 
 

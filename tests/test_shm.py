@@ -25,7 +25,7 @@ import torch
 
 from remote_loader.client import RemoteLoader, assembly
 from remote_loader.client.types import Transport
-from remote_loader.protos import doorbell, shm, shm_probe, tcp
+from remote_loader.protos import doorbell, shm, shm_probe, striping
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.config.spec import LoaderSpec
 from tests.conftest import (
@@ -352,23 +352,23 @@ def copiers() -> set[str]:
 
 @pytest.mark.unit
 def test_a_large_copy_is_striped_over_threads_byte_for_byte(copy_threads: None) -> None:
-    src = np.frombuffer(random.Random(1).randbytes(3 * tcp.MIN_STRIPE + 7), dtype=np.uint8)
+    src = np.frombuffer(random.Random(1).randbytes(3 * striping.MIN_STRIPE + 7), dtype=np.uint8)
     dst = np.zeros_like(src)
     assembly.copy_in(dst, src)
     assert bytes(dst) == bytes(src)  # three stripes of uneven sizes
     # The pool's threads and this one: ThreadPoolExecutor starts its second thread only when the
     # first is still busy at the second stripe's submit, which a loaded machine may not see.
     assert 1 <= len(copiers()) <= 2
-    small = np.zeros(tcp.MIN_STRIPE, dtype=np.uint8)
-    assembly.copy_in(small, src[: tcp.MIN_STRIPE])  # under two stripes' worth: one plain copy
-    assert bytes(small) == bytes(src[: tcp.MIN_STRIPE])
+    small = np.zeros(striping.MIN_STRIPE, dtype=np.uint8)
+    assembly.copy_in(small, src[: striping.MIN_STRIPE])  # under two stripes' worth: one plain copy
+    assert bytes(small) == bytes(src[: striping.MIN_STRIPE])
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_batches_copied_in_by_several_threads_arrive_whole(
     serve_loaders: ServeLoaders, copy_threads: None, zero_copy: bool
 ) -> None:
-    sizes = [2 * tcp.MIN_STRIPE + 1000 * i for i in range(6)]  # two stripes each
+    sizes = [2 * striping.MIN_STRIPE + 1000 * i for i in range(6)]  # two stripes each
     served = serve_loaders(sizes_spec(sizes), zero_copy=zero_copy)
     with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
         received = list(loader)

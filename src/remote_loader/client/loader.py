@@ -15,9 +15,10 @@ from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.described import Descriptions
 from remote_loader.client.epoch import EpochIterator, LoaderStats
 from remote_loader.client.errors import SpecChangedError
+from remote_loader.client.items import Item
 from remote_loader.client.link import ServerLink
 from remote_loader.client.options import LoaderOptions, resolve_options
-from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.receiver import Receiver
 from remote_loader.client.report import StallReporter
 from remote_loader.client.security import TLS
 from remote_loader.client.stall import StallWindow
