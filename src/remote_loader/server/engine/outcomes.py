@@ -17,7 +17,7 @@ from remote_loader.server.batch.messages import Result
 from remote_loader.server.engine.ledger import TaskLedger
 from remote_loader.server.engine.seam import WorkerInitError
 from remote_loader.server.engine.slots import SlotTable
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 
 class Outcomes:
