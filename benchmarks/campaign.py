@@ -38,9 +38,7 @@ exception, at exit (atexit) and on SIGTERM / SIGINT (raised as exceptions, so fi
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import dataclasses
 import json
 import queue
 import re
@@ -52,29 +50,21 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
-
-import torch
-
-from remote_loader.client.types import Transport
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the repository root onto the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bridge import Topology, kill_group
+from benchmarks.campaign_job import BATCH, EPOCHS, SAMPLE_BYTES, SAMPLES, SEED, WORLD
+from benchmarks.campaign_trainer import trainer
+from benchmarks.campaign_verdict import Row, judge, print_row
 from benchmarks.netns import NetnsError, _run
 from benchmarks.processes import read_banner
 
-SAMPLES = 512
-SAMPLE_BYTES = 16 * 1024
-BATCH = 16  # 32 batches an epoch, 16 per rank
-EPOCHS = 2
-SEED = 0
-WORLD = 2
 GRPC_PORT, DATA_PORT = 50051, 50052
 RELAY_OFFSET = 10000  # the relay listens on port + this
 DELAY = 0.025
-PACE = 0.05  # seconds a trainer "trains" per batch, so that faults land mid-epoch
 FAULT_AT = 5  # the fault comes when rank 0 has received this many batches
 PARTITION_SECONDS = 5.0
 HANG_SECONDS = 90.0  # no batch from a running trainer for this long: a hang
@@ -84,83 +74,6 @@ SCENARIOS = (
     "none", "loss1", "loss10", "delay", "partition", "server-kill", "server-dead", "client-kill",
 )  # fmt: skip
 QUICK = (("none", "tcp"), ("client-kill", "tcp"), ("server-kill", "grpc"))
-
-
-class Tagged(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
-    """SAMPLES samples: sample i is SAMPLE_BYTES bytes computed from i, and i itself."""
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return payload(index), index
-
-
-def payload(index: int) -> torch.Tensor:
-    return ((torch.arange(SAMPLE_BYTES) * 31 + index * 7919) % 251).to(torch.uint8)
-
-
-def expected(rank: int, epoch: int) -> list[tuple[int, tuple[int, ...]]]:
-    """Rank `rank`'s batches of `epoch`: a local DistributedSampler's, as the server promises."""
-    sampler: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(
-        Tagged(), num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED
-    )
-    sampler.set_epoch(epoch)
-    ids = list(sampler)
-    return [(epoch, tuple(ids[i : i + BATCH])) for i in range(0, len(ids), BATCH)]
-
-
-# --- the trainer (run inside a trainer namespace) ----------------------------------------------
-
-
-def trainer(address: str, rank: int, transport: str, job: str, state: str) -> int:
-    from remote_loader.client import RemoteLoader, RemoteLoaderError
-
-    def emit(**event: Any) -> None:
-        sys.stdout.write(json.dumps(event) + "\n")  # one write: a killed trainer cuts no line
-        sys.stdout.flush()
-
-    try:
-        with RemoteLoader(
-            address,
-            rank=rank,
-            world_size=WORLD,
-            job=job,
-            transport=cast("Transport", transport),  # from argv: RemoteLoader checks it
-            device="cpu",
-        ) as loader:
-            if state:
-                loader.load_state_dict(json.loads(state))
-            emit(event="started")
-            while loader.epoch < EPOCHS:
-                epoch = loader.epoch
-                for data, ids in loader:
-                    ok = all(
-                        torch.equal(row, payload(int(i))) for row, i in zip(data, ids, strict=True)
-                    )
-                    emit(
-                        event="batch", epoch=epoch, ids=ids.tolist(), ok=ok,
-                        via=loader.last_transport, state=loader.state_dict(),
-                    )  # fmt: skip
-                    time.sleep(PACE)
-    except RemoteLoaderError as exc:
-        emit(event="error", type=type(exc).__name__, message=str(exc)[:300])
-        return 3
-    emit(event="done")
-    return 0
-
-
-# --- the campaign ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Row:
-    scenario: str
-    transport: str
-    outcome: str
-    twice: int
-    seconds: float
-    detail: str
 
 
 class Campaign:
@@ -178,8 +91,9 @@ class Campaign:
         argv = [
             sys.executable, "-m", "remote_loader.server.cli.main", "serve",
             "--address", f"{self.host}:{GRPC_PORT}", "--data-address", f"{self.host}:{DATA_PORT}",
-            "--log-level", "ERROR", "--name", "campaign", "--dataset", "benchmarks.campaign:Tagged",
-            "--batch-size", str(BATCH), "--shuffle", "--num-workers", "2", "--seed", str(SEED),
+            "--log-level", "ERROR", "--name", "campaign",
+            "--dataset", "benchmarks.campaign_job:Tagged", "--batch-size", str(BATCH),
+            "--shuffle", "--num-workers", "2", "--seed", str(SEED),
         ]  # fmt: skip
         self.server = self.topo.start("srv", argv)
         read_banner(self.server, "remote-loader serve")
@@ -354,57 +268,7 @@ class Campaign:
                 kill_group(proc)
         seconds = time.monotonic() - started
         errors += [self.fault_error] if self.fault_error else []
-        return self._judge(name, transport, received, bad, errors, resumes, via, hang, seconds)
-
-    @staticmethod
-    def _judge(
-        name: str,
-        transport: str,
-        received: dict[int, list[tuple[int, tuple[int, ...]]]],
-        bad: int,
-        errors: list[str],
-        resumes: int,
-        via: set[str],
-        hang: str,
-        seconds: float,
-    ) -> Row:
-        want = {r: [b for e in range(EPOCHS) for b in expected(r, e)] for r in range(WORLD)}
-        twice = sum(c - 1 for r in range(WORLD) for c in collections.Counter(received[r]).values())
-        missing = sum(
-            sum((collections.Counter(want[r]) - collections.Counter(received[r])).values())
-            for r in range(WORLD)
-        )
-        exact = bad == 0 and all(received[r] == want[r] for r in range(WORLD))
-        # server-dead: what arrived must be a prefix of what was due, then a typed error each.
-        prefix = bad == 0 and all(received[r] == want[r][: len(received[r])] for r in range(WORLD))
-        notes = [f"{sum(map(len, received.values()))}/{sum(map(len, want.values()))} batches"]
-        notes += [f"via {','.join(sorted(via))}"] if via else []
-        notes += [f"{missing} missing"] if missing and name != "server-dead" else []
-        notes += [f"{bad} corrupt"] if bad else []
-        notes += [f"{resumes} resumed"] if resumes else []
-        notes += sorted(set(errors))
-        if hang:
-            outcome = "hang"
-            notes.append(hang)
-        elif name == "server-dead":
-            typed = len({e.split(":")[0] for e in errors}) == WORLD
-            outcome = "typed error" if typed and prefix else "wrong"
-        elif exact:
-            outcome = "typed error, resumed exact" if errors else "exact"
-            if name == "client-kill" and not errors:
-                outcome = "killed, resumed exact"
-        else:
-            outcome = "wrong"
-        return Row(name, transport, outcome, twice, seconds, "; ".join(notes))
-
-
-def print_row(row: Row, head: Sequence[str] | None = None) -> None:
-    twice, seconds = (head[3], head[4]) if head else (str(row.twice), f"{row.seconds:.1f}")
-    print(
-        f"{row.scenario:<12} {row.transport:<9} {row.outcome:<27} {twice:>5} {seconds:>7}  "
-        f"{row.detail}",
-        flush=True,
-    )
+        return judge(name, transport, received, bad, errors, resumes, via, hang, seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
