@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import ceilings, compare, netns, tlsfiles  # noqa: E402
+from benchmarks import ceilings, netns, tlsfiles  # noqa: E402
 from benchmarks.processes import Placement, loadavg, process_table, tree_cpu, tree_pids  # noqa: E402
+from benchmarks.rounds import WORKLOADS, dataset_kwargs, start_loader_server  # noqa: E402
 from remote_loader.client import TLS, RemoteLoader  # noqa: E402
 from remote_loader.protos import tcp  # noqa: E402
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"tls_cost.py: {exc}") from None
 
     counts: list[int] = args.data_connections
-    kwargs = compare.dataset_kwargs(
+    kwargs = dataset_kwargs(
         WORKLOAD, argparse.Namespace(batches=args.batches, batch_size=BATCH_SIZE)
     )
     print(
@@ -139,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     files = tlsfiles.make(link.server_ip)
     try:
         place = Placement(link, files)
-        server = compare.start_loader_server(
-            compare.WORKLOADS[WORKLOAD], kwargs, BATCH_SIZE, WORKERS, place
-        )
+        server = start_loader_server(WORKLOADS[WORKLOAD], kwargs, BATCH_SIZE, WORKERS, place)
         loaders = {
             c: RemoteLoader(
                 server.address,
