@@ -3,9 +3,6 @@ service, reflection, TLS and mutual TLS, over real gRPC with certificates made h
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import ipaddress
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,31 +12,30 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from remote_loader.client import TLS, AuthenticationError, ConnectionLostError, RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
-from remote_loader.server.api.auth import ServerTLS
 from remote_loader.server.api.settings import resolve_settings
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
-from tests.conftest import ServeLoaders, serve_process, stop_process, subprocess_env
 from tests.datasets import read_counts
-from tests.test_resume import CuttingProxy
+from tests.helpers import (
+    PKI,
+    TOKEN,
+    CuttingProxy,
+    ServeLoaders,
+    health_status,
+    serve_process,
+    stop_process,
+    subprocess_env,
+)
 
-TOKEN = "s3cret-Token_0123456789"
+# RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; these tests set it themselves.
+pytestmark = pytest.mark.usefixtures("no_token_in_the_environment")
+
 WRONG = "wrong-Token_9876543210"
-
-
-@pytest.fixture(autouse=True)
-def _no_token_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; tests set it themselves.
-    monkeypatch.delenv("REMOTE_LOADER_TOKEN", raising=False)
 
 
 def counted(log: Path, n: int = 48, **options: Any) -> LoaderSpec:
@@ -67,13 +63,6 @@ def raw_stream(address: str, metadata: list[tuple[str, str]]) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as info:
             list(call(pb.StreamRequest(loader="counted"), metadata=tuple(metadata), timeout=10))
     return info.value
-
-
-def health_status(channel: grpc.Channel) -> int:
-    reply = health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=""), timeout=10
-    )
-    return int(reply.status)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -199,106 +188,6 @@ def test_reflection_is_off_by_default_and_needs_the_token(
 
 
 # --- TLS and mutual TLS ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PKI:
-    """PEM files: a CA, a server certificate for localhost and 127.0.0.1, a client's."""
-
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-    def server_settings(self, mutual: bool = False) -> dict[str, str | None]:
-        """The ServerSettings fields that serve with this PKI's server certificate."""
-        return {
-            "tls_cert": str(self.server_cert),
-            "tls_key": str(self.server_key),
-            "tls_client_ca": str(self.ca) if mutual else None,
-        }
-
-    def server_tls(self, mutual: bool = False) -> ServerTLS:
-        return ServerTLS(
-            cert=self.server_cert.read_bytes(),
-            key=self.server_key.read_bytes(),
-            client_ca=self.ca.read_bytes() if mutual else None,
-        )
-
-
-def _issue(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-    *,
-    sans: list[x509.GeneralName] | None = None,
-    usage: x509.ObjectIdentifier | None = None,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_name, issuer_key = issuer or (name, key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-            critical=False,
-        )
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    if usage is not None:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None) -> None:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        path.with_suffix(".key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    out = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _issue("remote-loader test CA", ca_key, None)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = _issue(
-        "localhost",
-        server_key,
-        (ca.subject, ca_key),
-        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-    )
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client = _issue(
-        "trainer-0", client_key, (ca.subject, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH
-    )
-    _write(out / "ca.pem", ca, None)
-    _write(out / "server.pem", server, server_key)
-    _write(out / "client.pem", client, client_key)
-    return PKI(
-        out / "ca.pem",
-        out / "server.pem",
-        out / "server.key",
-        out / "client.pem",
-        out / "client.key",
-    )
 
 
 def test_tls_round_trip(serve_loaders: ServeLoaders, tmp_path: Path, pki: PKI) -> None:

@@ -15,7 +15,7 @@ from remote_loader.server.engine import autotune
 from remote_loader.server.engine.autotune import Decision, WorkerTuner
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.metrics import LoaderMetrics
-from tests.conftest import ServeLoaders, wait_until
+from tests.helpers import ServeLoaders, wait_until
 
 
 class Host:

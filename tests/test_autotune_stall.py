@@ -12,7 +12,7 @@ from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine import autotune
 from remote_loader.server.engine.autotune import Decision, WorkerTuner
 from remote_loader.server.engine.pool import WorkerPool
-from tests.conftest import ServeLoaders
+from tests.helpers import ServeLoaders
 from tests.stalls import Trainer, wait_for
 
 

@@ -25,8 +25,7 @@ import pytest
 from remote_loader.client import LoaderTimeoutError, RemoteLoader
 from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import Served, ServeLoaders, StartServer, subprocess_env, wait_until
-from tests.test_shm import rings
+from tests.helpers import Served, ServeLoaders, StartServer, rings, subprocess_env, wait_until
 
 TRANSPORTS = [("auto", "shm"), ("tcp", "tcp"), ("grpc", "grpc")]
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.

@@ -13,8 +13,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.client.types import Transport
 from remote_loader.protos.buffers import GRANULE, MIN_POOLED_BYTES, BufferPool
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, assert_same
-from tests.test_shm import expected, sizes_spec
+from tests.helpers import ServeLoaders, assert_same, expected, sizes_spec
 
 SIZE = 2 * MIN_POOLED_BYTES
 

@@ -16,7 +16,7 @@ import torch
 from remote_loader.client import RemoteLoader
 from remote_loader.server.cli.demo import PlainProgress, progress_bars
 from remote_loader.server.cli.main import serve_command
-from tests.conftest import serve_process, stop_process, subprocess_env
+from tests.helpers import serve_process, stop_process, subprocess_env
 
 SQUARES_FLAGS = (
     "--dataset",

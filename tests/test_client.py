@@ -10,9 +10,7 @@ import torch
 from remote_loader.client import LoaderTimeoutError, RemoteLoader, RemoteLoaderError
 from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import StartServer
-
-SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
+from tests.helpers import SQUARES, StartServer
 
 
 @pytest.mark.parametrize(

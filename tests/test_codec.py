@@ -4,9 +4,7 @@ copy. What it refuses, on either end, is in tests/test_codec_errors.py.
 
 import collections
 import itertools
-import struct
 import warnings
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from remote_loader.protos import codec, loader_pb2
+from tests.helpers import assert_exact, roundtrip
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 
@@ -28,69 +27,8 @@ SUPPORTED = [d for d in ALL_DTYPES if d not in QUANTIZED]
 NUMPY_DTYPES = ["|b1", "|i1", "|u1", "<i2", ">i4", "<u4", ">u8", "<i8", "<f2", ">f4", "<f8", "<c8"]
 NUMPY_DTYPES += [">c16"]
 
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 Point = collections.namedtuple("Point", ["x", "y"])
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as uint8, in C order, using no kernel of its own dtype.
-
-    torch.equal has no kernel for float8, complex32, bits* or int1..uint7; same-width ints do.
-    """
-    t = t.resolve_conj().resolve_neg()
-    width = _SAME_WIDTH.get(t.element_size())
-    if width is not None:
-        t = t.view(width)
-    dense = torch.empty(t.shape, dtype=t.dtype)  # not .contiguous(): it may keep odd strides
-    return dense.copy_(t).view(-1).view(torch.uint8)
-
-
-def assert_same(got: Any, want: Any) -> None:
-    """`got` is exactly what decoding `want` must give, down to the bits of every float."""
-    if isinstance(want, torch.Tensor):
-        assert type(got) is torch.Tensor
-        assert (got.dtype, got.shape, got.requires_grad) == (want.dtype, want.shape, False)
-        assert torch.equal(raw_bytes(got), raw_bytes(want))
-    elif isinstance(want, np.ndarray | np.generic):
-        want = np.asarray(want)
-        assert type(got) is np.ndarray
-        assert (got.dtype.str, got.shape) == (want.dtype.str, want.shape)
-        assert got.tobytes() == want.tobytes()
-    elif isinstance(want, bytes | bytearray | memoryview):
-        assert type(got) is bytes
-        assert got == bytes(want)
-    elif isinstance(want, float):
-        assert type(got) is float
-        assert struct.pack("<d", got) == struct.pack("<d", want)
-    elif isinstance(want, list | tuple):
-        # A namedtuple comes back as its class (NOTE [ Batch types ]), another subclass as its base.
-        plain = list if isinstance(want, list) else tuple
-        assert type(got) is (type(want) if hasattr(want, "_fields") else plain)
-        assert len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            assert_same(g, w)
-    elif isinstance(want, dict):
-        assert type(got) is dict
-        assert len(got) == len(want)
-        for (gk, gv), (wk, wv) in zip(got.items(), want.items(), strict=True):
-            assert_same(gk, wk)
-            assert_same(gv, wv)
-    else:
-        assert type(got) is type(want)
-        assert got == want
-
-
-def roundtrip(obj: object) -> Any:
-    """encode, write_blob into a fresh buffer full of junk, then decode the header and payload."""
-    encoded = codec.encode(obj)
-    blob = torch.full((encoded.total_nbytes,), 0xAB, dtype=torch.uint8)
-    encoded.write_blob(blob)
-    start = codec.payload_offset(len(encoded.header))
-    assert blob[len(encoded.header) : start].eq(0).all()
-    header = blob[: len(encoded.header)].numpy().tobytes()
-    assert header == encoded.header
-    return codec.decode(header, blob[start:])
 
 
 def leaf_ranges(header: bytes) -> list[tuple[int, int]]:
@@ -149,7 +87,7 @@ LAYOUTS = ["contiguous", "transposed", "strided", "expanded", "one-element", "0-
 def test_every_torch_dtype_round_trips(dtype: torch.dtype, layout: str) -> None:
     t = make_tensor(dtype, layout)
     got = roundtrip({"t": t})["t"]
-    assert_same(got, t)
+    assert_exact(got, t)
     assert got.is_contiguous()
     header = loader_pb2.Node.FromString(codec.encode(t).header)
     assert header.tensor.dtype == str(dtype).removeprefix("torch.")
@@ -167,12 +105,12 @@ def test_quantized_dtypes_are_refused(dtype: torch.dtype) -> None:
 def test_lazy_conjugate_and_negative_views_are_materialized() -> None:
     z = torch.tensor([1 + 2j, 3 - 4j, 5 + 0j])
     for t in (z.conj(), z.conj().unsqueeze(1).expand(3, 2), torch.tensor([1.0, -2.0])._neg_view()):
-        assert_same(roundtrip(t), t.resolve_conj().resolve_neg())
+        assert_exact(roundtrip(t), t.resolve_conj().resolve_neg())
 
 
 def test_requires_grad_is_detached() -> None:
     t = torch.arange(6.0).view(2, 3).requires_grad_()
-    assert_same(roundtrip([t, t.t()]), [t.detach(), t.detach().t()])
+    assert_exact(roundtrip([t, t.t()]), [t.detach(), t.detach().t()])
 
 
 def make_array(dtype: str, layout: str) -> np.ndarray:
@@ -204,7 +142,7 @@ def make_array(dtype: str, layout: str) -> np.ndarray:
 def test_numpy_arrays_round_trip(dtype: str, layout: str) -> None:
     a = make_array(dtype, layout)
     got = roundtrip((a,))[0]
-    assert_same(got, a)
+    assert_exact(got, a)
     assert got.dtype.str == a.dtype.str  # byte order kept, not swapped
 
 
@@ -227,7 +165,7 @@ def test_documented_normalizations() -> None:
     assert got["strided view"] == bytes([0, 3, 6, 9])
     assert got["np scalar"].shape == () and got["np scalar"].dtype == np.float32
     assert type(next(k for k in got if not isinstance(k, str))) is int
-    assert_same(got["tuple key"], batch["tuple key"])
+    assert_exact(got["tuple key"], batch["tuple key"])
 
 
 @pytest.mark.parametrize(
@@ -324,10 +262,10 @@ batches = st.recursive(
 @settings(max_examples=100, deadline=None)
 @given(batches)
 def test_round_trip_property(batch: object) -> None:
-    assert_same(roundtrip(batch), batch)
+    assert_exact(roundtrip(batch), batch)
     encoded = codec.encode(batch)
     assert all(offset % codec.ALIGN == 0 for offset, _ in leaf_ranges(encoded.header))
-    assert_same(codec.decode_blob(encoded.to_bytes(), len(encoded.header)), batch)
+    assert_exact(codec.decode_blob(encoded.to_bytes(), len(encoded.header)), batch)
 
 
 # --- zero copy --------------------------------------------------------------------------------
@@ -359,7 +297,7 @@ def test_encode_references_leaves_until_written() -> None:
     encoded = codec.encode([t, a])
     t.fill_(2.0)
     a.fill(3.0)
-    assert_same(codec.decode_blob(encoded.to_bytes(), len(encoded.header)), [t, a])
+    assert_exact(codec.decode_blob(encoded.to_bytes(), len(encoded.header)), [t, a])
 
 
 def test_to_bytes_is_the_written_blob() -> None:
@@ -381,4 +319,4 @@ def test_device_payload_gives_cuda_views() -> None:
     got = codec.decode(encoded.header, payload, device_payload)
     assert got["t"].device.type == "cuda"
     assert got["t"].data_ptr() >= device_payload.data_ptr()
-    assert_same({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}, batch)
+    assert_exact({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}, batch)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from remote_loader.protos import codec, loader_pb2
-from tests.test_codec import roundtrip
+from tests.helpers import roundtrip
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

@@ -15,16 +15,18 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils.data import DataLoader, default_collate
 
 from remote_loader.client import RemoteLoader
-from remote_loader.protos import codec, decoding, loader_pb2
+from remote_loader.protos import codec, loader_pb2
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders
-from tests.conftest import assert_same as assert_same_batches
 from tests.datasets import Pair, Pairs
-from tests.test_codec import assert_same, roundtrip
+from tests.helpers import ServeLoaders, assert_exact, packed, roundtrip
+from tests.helpers import assert_same as assert_same_batches
+
+# Type lookups and warnings as in a fresh process, so each test sees its own warnings.
+pytestmark = pytest.mark.usefixtures("fresh_types")
 
 unit = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 
@@ -82,14 +84,6 @@ class NeedsArgs(dict[str, Any]):
         self.tag = tag
 
 
-@pytest.fixture(autouse=True)
-def fresh_types(monkeypatch: pytest.MonkeyPatch) -> decoding._Types:
-    """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
-    types = decoding._Types()
-    monkeypatch.setattr(decoding, "_TYPES", types)
-    return types
-
-
 def header(obj: object) -> loader_pb2.Node:
     return loader_pb2.Node.FromString(codec.encode(obj).header)
 
@@ -116,7 +110,7 @@ def typed_tuple(type_name: str, fields: list[str], items: list[int]) -> loader_p
 def test_a_namedtuple_comes_back_as_its_class(batch: Any) -> None:
     got = roundtrip(batch)
     assert type(got) is type(batch)
-    assert_same(tuple(got), tuple(batch))
+    assert_exact(tuple(got), tuple(batch))
     seq = header(batch).tuple
     assert seq.type == f"tests.test_codec_types:{type(batch).__qualname__}"
     assert list(seq.fields) == list(type(batch)._fields)
@@ -130,7 +124,7 @@ def test_nested_namedtuples_in_a_dict_in_a_list() -> None:
     assert type(got[0]["p"].x) is Sample
     assert type(got[0]["p"].y[0]) is Point
     assert type(got[0]["plain"]) is tuple
-    assert_same(got[0]["p"].x.image, torch.zeros(1))
+    assert_exact(got[0]["p"].x.image, torch.zeros(1))
     assert got[0]["p"].y == [Point(1, 2)]
 
 
@@ -151,21 +145,10 @@ def test_other_tuple_subclasses_stay_plain_tuples() -> None:
         got = roundtrip(batch)
         assert type(got) is tuple
         assert header(batch).tuple.type == ""
-    assert_same(roundtrip(values_indices), tuple(values_indices))
+    assert_exact(roundtrip(values_indices), tuple(values_indices))
 
 
 # --- PackedSequence ---------------------------------------------------------------------------
-
-
-def packed(enforce_sorted: bool) -> tuple[PackedSequence, torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([5, 3, 2]) if enforce_sorted else torch.tensor([2, 5, 3])
-    padded = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
-    for row, length in enumerate(lengths.tolist()):
-        padded[row, length:] = 0
-    sequence = pack_padded_sequence(
-        padded, lengths, batch_first=True, enforce_sorted=enforce_sorted
-    )
-    return sequence, padded, lengths
 
 
 @unit
@@ -229,7 +212,7 @@ def test_a_dataclass_with_a_tensor_and_an_int_comes_back_as_its_class() -> None:
     batch = Record(torch.arange(6.0).view(2, 3), 4)
     got = roundtrip([batch])[0]
     assert type(got) is Record
-    assert_same(got.features, batch.features)
+    assert_exact(got.features, batch.features)
     assert got.count == 4
     mapping = header(batch).dict
     assert mapping.type == "tests.test_codec_types:Record"
@@ -242,7 +225,7 @@ def test_a_frozen_dataclass_nesting_another_comes_back_as_its_class() -> None:
     got = roundtrip(batch)
     assert type(got) is Frozen and type(got.inner) is Record
     assert got.name == "a" and got.inner.count == 1
-    assert_same(got.values, batch.values)
+    assert_exact(got.values, batch.values)
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.name = "b"  # type: ignore[misc]
 
@@ -300,7 +283,7 @@ def test_a_namedtuple_defined_in_a_function_arrives_as_a_stand_in(kind: str) -> 
         got = roundtrip(cls(1, torch.ones(2)))
     assert type(got) is not cls and type(got).__name__ == "Local"
     assert got._fields == ("a", "b") and got.a == 1
-    assert_same(got.b, torch.ones(2))
+    assert_exact(got.b, torch.ones(2))
 
 
 @unit
@@ -402,7 +385,7 @@ def test_headers_without_types_decode_as_plain_tuples_and_dicts() -> None:
         "p": (torch.ones(2), [(torch.zeros(1), 3)]),
         "r": {"features": torch.ones(1), "count": 2},
     }
-    assert_same(got, expected)
+    assert_exact(got, expected)
     assert decode_node(typed_tuple("", [], [1, 2])) == (1, 2)
 
 

@@ -18,7 +18,7 @@ from remote_loader.protos import codec, encoding
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.worker import collating
 from remote_loader.server.worker.collating import HEADER_ROOM, WorkerSlots
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

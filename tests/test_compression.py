@@ -15,7 +15,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.client.types import Compression, Transport
 from remote_loader.protos import codec, compression
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, assert_same
+from tests.helpers import ServeLoaders, assert_same
 
 
 def batch() -> dict[str, Any]:

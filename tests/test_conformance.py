@@ -33,8 +33,8 @@ from remote_loader.client.types import Sharing, Transport
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import assert_same
 from tests.datasets import Drawn
+from tests.helpers import assert_same
 
 # Small enough that drawn sequences cross it: a bigger batch goes as Frames, even on `auto`.
 MAX_RING_BYTES = 256 * 1024

@@ -23,17 +23,20 @@ from remote_loader.client import (
 from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.sharing.membership import DEFAULT_JOB
-from tests.conftest import (
+from tests.helpers import (
+    SLOW,
+    SLOW_SAMPLES,
+    SQUARES,
     ServeLoaders,
     StartServer,
     assert_same,
+    free_port,
+    log_fields,
+    log_lines,
     serve_process,
     stop_process,
     wait_until,
 )
-from tests.test_limits import SLOW, SQUARES, _fields, _lines
-from tests.test_resume import SLOW as SLOW_SAMPLES
-from tests.test_resume import free_port
 
 # How much later than its bound a wait may end on this loaded machine and still count as
 # bounded: the tests are for "it ends", not for its speed (pytest-timeout catches a hang).
@@ -254,7 +257,7 @@ def test_state_dict_names_the_job_as_the_server_does(
         it = iter(loader)
         before = [next(it) for _ in range(5)]
         state = loader.state_dict()
-    starts = [_fields(line) for line in _lines(caplog, "stream start ", 2)]
+    starts = [log_fields(line) for line in log_lines(caplog, "stream start ", 2)]
     assert [start["job"] for start in starts] == [DEFAULT_JOB, DEFAULT_JOB]
     assert state["job"] == DEFAULT_JOB
     # A state saved when the client said "" for it resumes the same job.

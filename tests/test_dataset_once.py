@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, subprocess_env
 from tests.datasets import EpochBatches, Squares, datapipe
+from tests.helpers import ServeLoaders, subprocess_env
 
 SEED = 11
 # Not fork: this process runs gRPC threads (grpc/grpc#16001).

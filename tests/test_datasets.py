@@ -24,26 +24,15 @@ from remote_loader.server.datasets import (
     cache_dir,
     demo_folder,
 )
+from tests.helpers import _files
 
-
-@pytest.fixture(autouse=True)
-def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("REMOTE_LOADER_CACHE", str(cache))
-    return cache
+# Each test caches in a folder of its own.
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return demo_folder(tmp_path_factory.mktemp("demo"))
-
-
-def _files(folder: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(folder)): path.read_bytes()
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
 
 
 def _write_image(path: Path, width: int, height: int, seed: int = 0) -> np.ndarray[Any, Any]:
@@ -88,9 +77,9 @@ def test_demo_folder_layout(demo_root: Path) -> None:
 
 
 @pytest.mark.unit
-def test_demo_folder_defaults_to_cache_dir(_cache_in_tmp: Path) -> None:
-    assert demo_folder() == _cache_in_tmp / DEMO_DIRNAME
-    assert (_cache_in_tmp / DEMO_DIRNAME / "class_07" / "img_063.jpg").is_file()
+def test_demo_folder_defaults_to_cache_dir(own_cache: Path) -> None:
+    assert demo_folder() == own_cache / DEMO_DIRNAME
+    assert (own_cache / DEMO_DIRNAME / "class_07" / "img_063.jpg").is_file()
 
 
 @pytest.mark.unit
@@ -212,9 +201,9 @@ def test_image_folder_over_demo(demo_root: Path) -> None:
 
 
 @pytest.mark.unit
-def test_image_folder_defaults_to_demo_folder(_cache_in_tmp: Path) -> None:
+def test_image_folder_defaults_to_demo_folder(own_cache: Path) -> None:
     dataset = ImageFolder(crop=32)
-    assert dataset.root == _cache_in_tmp / DEMO_DIRNAME
+    assert dataset.root == own_cache / DEMO_DIRNAME
     assert len(dataset) == DEMO_CLASSES * DEMO_PER_CLASS
     assert dataset[5][0].shape == (3, 32, 32)
 

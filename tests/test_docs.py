@@ -29,7 +29,7 @@ import pytest
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server import LoaderSpec, ServerSettings
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -16,19 +16,18 @@ import pytest
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import doorbell, shm
-from tests.conftest import ServeLoaders, assert_same
-
-# The autouse fixture: no ring or bell is left in /dev/shm after a test.
-from tests.test_shm import (  # noqa: F401
-    _no_ring_left_behind,
+from tests.helpers import (
+    LONG_TICK,
+    ServeLoaders,
+    assert_same,
     expected,
     left_in_dev_shm,
     sizes_spec,
 )
 
-# A tick so long that a wait which ends sooner was ended by the client's ring; a wait that polls
-# instead (no bell) looks at the cursor many times meanwhile.
-LONG_TICK = 30.0
+# No ring or bell is left in /dev/shm after a test.
+pytestmark = pytest.mark.usefixtures("no_ring_left_behind")
+
 RELEASE_AFTER = 0.3
 
 
@@ -179,7 +178,7 @@ def test_the_bell_is_unlinked_when_the_client_opens_it() -> None:
 
 @pytest.mark.unit
 def test_a_ring_nobody_opened_takes_its_bell_along() -> None:
-    # The autouse fixture (_no_ring_left_behind) checks that neither name is left.
+    # no_ring_left_behind (this module's pytestmark) checks that neither name is left.
     writer = shm.RingWriter(shm.ALIGN)
     writer.close()
 

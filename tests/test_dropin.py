@@ -34,8 +34,8 @@ from remote_loader.client.state import Cursor
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.config.spec import LoaderSpec
 from tests import dropin_datasets
-from tests.conftest import ServeLoaders, StartServer
 from tests.datasets import Squares
+from tests.helpers import WORKER_0, ServeLoaders, StartServer
 
 SEED = 7
 N = 50
@@ -140,23 +140,6 @@ def test_state_and_resume_are_exact_around_unread_iterators(start_server: StartS
 
 
 # --- 2. the rank comes from the job ---------------------------------------------------------
-
-JOB_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-)
-
-
-@pytest.fixture
-def job_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No job variables: each test sets its own."""
-    for name in JOB_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
 
 
 @pytest.mark.unit
@@ -387,8 +370,6 @@ def test_accelerate_skip_first_batches_is_refused_at_the_call(start_server: Star
 
 # --- 4. a batch's exception is raised as its own type ---------------------------------------
 
-WHERE = "in DataLoader worker process 0"
-
 
 def _raised(kind: type[Exception]) -> Exception:
     """An instance of `kind` raised and caught here, as a dataset would raise it."""
@@ -404,7 +385,7 @@ def _raised(kind: type[Exception]) -> Exception:
 
 def _by_torch(exc: Exception) -> Exception:
     """What torch's DataLoader raises in the trainer for a worker's `exc`."""
-    wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WHERE)
+    wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WORKER_0)
     with pytest.raises(Exception) as info:
         wrapper.reraise()
     return info.value
@@ -412,10 +393,10 @@ def _by_torch(exc: Exception) -> Exception:
 
 def _frame_error(exc: Exception) -> pb.CapturedError:
     """The error Frame's CapturedError a server sends for `exc` (server/worker/loop.py)."""
-    wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WHERE)
+    wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), where=WORKER_0)
     kind = type(exc)
     return pb.CapturedError(
-        where=WHERE,
+        where=WORKER_0,
         type=kind.__name__,
         message=str(exc),
         traceback=wrapper.exc_msg,
@@ -445,7 +426,7 @@ def test_an_error_is_raised_as_torch_raises_it(kind: type[Exception]) -> None:
     assert isinstance(error, type(expected)) and isinstance(error, DatasetError)
     assert str(error) == str(expected)  # torch's message, KeyError's unquoted
     assert type(error).__name__ == type(expected).__name__
-    assert (error.position, error.where, error.remote_type) == (3, WHERE, kind.__name__)
+    assert (error.position, error.where, error.remote_type) == (3, WORKER_0, kind.__name__)
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is type(error) and str(again) == str(error)
     assert again.position == 3
@@ -460,11 +441,11 @@ def test_an_error_of_a_type_not_found_here_is_a_plain_dataset_error(
     module: str, qualname: str
 ) -> None:
     sent = pb.CapturedError(
-        where=WHERE, type="Error", message="m", traceback="t", module=module, qualname=qualname
+        where=WORKER_0, type="Error", message="m", traceback="t", module=module, qualname=qualname
     )
     error = dataset_error(3, sent)
     assert type(error) is DatasetError  # as before the type was sent
-    assert str(error).startswith(f"Error at batch 3 {WHERE}.")
+    assert str(error).startswith(f"Error at batch 3 {WORKER_0}.")
     assert "no_such_module_here" not in sys.modules
 
 
@@ -504,7 +485,7 @@ def test_each_batchs_error_is_its_own_type_and_the_epoch_goes_on(
             error, expected = info.value, by_torch.value
             assert isinstance(error, type(expected)), (kind, type(error).__mro__)
             assert type(error).__name__ == type(expected).__name__  # RuntimeError for NeedsTwo
-            head = f"Caught {kind.__name__} {WHERE}.\nOriginal Traceback"
+            head = f"Caught {kind.__name__} {WORKER_0}.\nOriginal Traceback"
             assert str(error).startswith(head) and str(expected).startswith(head)
             assert str(error).splitlines()[-1] == str(expected).splitlines()[-1]
             assert error.position == i

@@ -12,7 +12,7 @@ import pytest
 
 from remote_loader.client import RemoteLoader, RequestError
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, assert_same
+from tests.helpers import ServeLoaders, assert_same
 
 EPOCH = 2
 SEED = 11

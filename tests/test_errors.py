@@ -36,9 +36,8 @@ from remote_loader.protos import reasons, wire
 from remote_loader.server import errors as server_errors
 from remote_loader.server.api.service import statuses
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders
+from tests.helpers import SERVER_CLASSES, SQUARES, ServeLoaders
 
-SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
 # A stream of this loader stays open for a while: 40 samples of 0.25 s, made one at a time.
 SLOW = LoaderSpec(
     name="slow", dataset="tests.datasets:Slow", dataset_kwargs={"n": 40, "seconds": 0.25}
@@ -50,18 +49,6 @@ BROKEN = LoaderSpec(
     worker_init_fn="tests.datasets:failing_init",
 )
 
-
-def _server_classes() -> list[type[server_errors.CallFailed]]:
-    found: list[type[server_errors.CallFailed]] = []
-    todo: list[type[server_errors.CallFailed]] = [server_errors.CallFailed]
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-SERVER_CLASSES = _server_classes()
 
 # --- the table (no server) --------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 
 # Within the marks' timeout, so a hung example fails with its output rather than pytest's.
 RUN_TIMEOUT = 240

@@ -16,7 +16,7 @@ import torch
 from remote_loader.client import RemoteLoader
 from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import StartServer, assert_same
+from tests.helpers import StartServer, assert_same
 
 pytestmark = pytest.mark.gpu
 

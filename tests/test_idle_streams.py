@@ -19,7 +19,7 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
-from tests.conftest import ServeLoaders, wait_until
+from tests.helpers import ServeLoaders, wait_until
 
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
 BUSY_MACHINE = 30.0

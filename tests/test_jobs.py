@@ -19,8 +19,9 @@ from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, StartServer
-from tests.test_sharing import (
+from tests.helpers import (
+    ServeLoaders,
+    StartServer,
     broadcast_spec,
     distributed,
     epoch_of,

@@ -14,7 +14,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.server.cli.main import serve_command
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.sharing.host import LoaderHost
-from tests.conftest import StartServer, subprocess_env
+from tests.helpers import StartServer, subprocess_env
 
 BROKEN_LEN = (
     "its map-style dataset BrokenLen has __len__, but len(dataset) raised TypeError: "

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ROOT, StartServer, assert_same, subprocess_env
+from tests.helpers import ROOT, StartServer, assert_same, subprocess_env
 from tests.library_datasets import hf_ids, hf_stream, webdataset_pipeline, write_shards
 
 SEED = 5

@@ -23,17 +23,8 @@ from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.sharing.membership import MAX_WORLD_SIZE
-from tests.conftest import ROOT, ServeLoaders
 from tests.datasets import read_counts
-
-SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
-# A stream of this loader stays open for a while: 40 samples of 0.25 s, made one at a time.
-SLOW = LoaderSpec(
-    name="slow",
-    dataset="tests.datasets:Slow",
-    dataset_kwargs={"n": 40, "seconds": 0.25},
-    batch_size=1,
-)
+from tests.helpers import ROOT, SLOW, SQUARES, ServeLoaders, log_fields, log_lines
 
 
 def _last_frame(address: str, request: pb.StreamRequest, timeout: float = 30) -> pb.Frame:
@@ -138,25 +129,6 @@ def test_a_second_server_on_the_same_port_fails_clearly(serve_loaders: ServeLoad
 # --- stream log lines -----------------------------------------------------------------------
 
 
-def _lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[str]:
-    """The service's log lines starting with `prefix`, waiting (5 s at most) for `count`:
-    a stream's end line is written by its handler thread after the client has its answer."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [
-            r.getMessage()
-            for r in caplog.records
-            if r.name == "remote_loader.server.api.service" and r.getMessage().startswith(prefix)
-        ]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
-
-
-def _fields(line: str) -> dict[str, str]:
-    return {k: v.strip('"') for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', line)}
-
-
 def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -175,8 +147,8 @@ def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     with RemoteLoader(served.address, "squares") as loader:
         next(iter(loader))  # then closed: the client cancels the stream
 
-    starts = [_fields(line) for line in _lines(caplog, "stream start ", 3)]
-    ends = [_fields(line) for line in _lines(caplog, "stream end ", 3)]
+    starts = [log_fields(line) for line in log_lines(caplog, "stream start ", 3)]
+    ends = [log_fields(line) for line in log_lines(caplog, "stream end ", 3)]
     assert len(starts) == len(ends) == 3
     ok, failed, cancelled = sorted(ends, key=lambda f: int(f["stream"]))
     assert [s["stream"] for s in starts] == [ok["stream"], failed["stream"], cancelled["stream"]]

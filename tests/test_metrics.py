@@ -7,12 +7,10 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from remote_loader.client import ConnectionLostError, DatasetError, RemoteLoader
 from remote_loader.server.api.server import Server
@@ -20,9 +18,8 @@ from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.pool import WorkerPool
-from tests.conftest import Served, serve_process, stop_process, wait_until
+from tests.helpers import Served, scrape, serve_process, stop_process, value, wait_until
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ServeMetered = Callable[..., Served]
 
 HISTOGRAMS = [
@@ -50,23 +47,6 @@ def serve_metered() -> Iterator[ServeMetered]:
     yield start
     for served in running:
         served.server.stop(0)
-
-
-def scrape(served: Served | int) -> Samples:
-    """Every sample of a server's metrics endpoint (or the one on that port), by (name, labels)."""
-    port = served if isinstance(served, int) else served.server.metrics_port
-    assert port is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
 
 
 def squares(name: str = "sq", n: int = 48, **options: Any) -> LoaderSpec:

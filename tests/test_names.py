@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 PACKAGE = ROOT / "src" / "remote_loader"
 

@@ -26,9 +26,7 @@ from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.pool import WorkerPool
-from tests.conftest import wait_until
-from tests.test_pool_contract import kill_a_worker
-from tests.test_ray import ContainedCluster
+from tests.helpers import ContainedCluster, kill_a_worker, wait_until
 
 # Batches of 1 to 3 MiB and a few small ones: striped over the node connections, and not.
 SIZES = [(3 << 20) - 7, 100, 1 << 20, (2 << 20) + 5, 7, 3 << 20] * 4

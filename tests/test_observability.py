@@ -5,7 +5,6 @@ the worker gauges exist from start-up."""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import urllib.request
 from typing import Any
@@ -20,16 +19,11 @@ from remote_loader.protos import wire
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.metrics import MAX_LABEL_CHARS
-from tests.conftest import ServeLoaders
-from tests.test_metrics import scrape, value
+from tests.helpers import ServeLoaders, log_fields, scrape, value
 
 SQUARES = LoaderSpec(
     name="sq", dataset="tests.datasets:Squares", dataset_kwargs={"n": 8}, batch_size=4
 )
-
-
-def _fields(line: str) -> dict[str, str]:
-    return {k: v.strip('"') for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', line)}
 
 
 def _metrics_text(port: int) -> str:
@@ -150,12 +144,14 @@ def test_a_dataset_error_is_logged_once_and_counted_on_each_stream_end_line(
     records = [r for r in caplog.records if r.getMessage().startswith("dataset error ")]
     assert len(records) == 1, [r.getMessage() for r in records]  # once, not per consumer
     assert records[0].levelno == logging.WARNING
-    error = _fields(records[0].getMessage())
+    error = log_fields(records[0].getMessage())
     assert (error["loader"], error["epoch"], error["batch"]) == ("failing", "0", "3")
     assert error["error"] == "ValueError: sample 7 is corrupt"
     assert error["sharing"] == "broadcast" and "worker" in error["where"]
     ends = [
-        _fields(r.getMessage()) for r in caplog.records if r.getMessage().startswith("stream end ")
+        log_fields(r.getMessage())
+        for r in caplog.records
+        if r.getMessage().startswith("stream end ")
     ]
     assert [(end["outcome"], end["errors"]) for end in ends] == [("completed", "1")] * 2
 
@@ -169,7 +165,9 @@ def test_a_stream_without_errors_says_errors_0(
         assert len(list(loader)) == 2
     assert served.server.service.wait_streams(30)
     (end,) = [
-        _fields(r.getMessage()) for r in caplog.records if r.getMessage().startswith("stream end ")
+        log_fields(r.getMessage())
+        for r in caplog.records
+        if r.getMessage().startswith("stream end ")
     ]
     assert end["errors"] == "0"
     assert not [r for r in caplog.records if r.getMessage().startswith("dataset error ")]

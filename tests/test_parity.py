@@ -6,15 +6,11 @@ convention of DistributedSampler; random augmentations inside __getitem__ includ
 
 from __future__ import annotations
 
-import inspect
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-import torch.utils.data._utils.worker as torch_worker
 from torch.utils.data import DataLoader
 
 from remote_loader.client import RemoteLoader
@@ -22,39 +18,8 @@ from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec, resolve
 from remote_loader.server.worker.collating import collate_tensors
-from tests.conftest import ServeLoaders, assert_same
+from tests.helpers import CASES, SEED, ServeLoaders, _factory, assert_same, local_batches
 
-SEED = 1234
-
-CASES: dict[str, dict[str, Any]] = {
-    "map": {"dataset": "tests.datasets:Squares", "batch_size": 4},
-    "map-shuffle": {"dataset": "tests.datasets:Squares", "batch_size": 4, "shuffle": True},
-    "no-batching": {"dataset": "tests.datasets:Squares", "batch_size": None, "shuffle": True},
-    "drop-last": {
-        "dataset": "tests.datasets:Squares",
-        "batch_size": 7,
-        "drop_last": True,
-        "shuffle": True,
-    },
-    "sampler": {
-        "dataset": "tests.datasets:Squares",
-        "batch_size": 3,
-        "sampler": "tests.datasets:Reversed",
-    },
-    "batch-sampler": {
-        "dataset": "tests.datasets:Squares",
-        "batch_sampler": "tests.datasets:GrowingBatches",
-    },
-    "mixed-collate": {
-        "dataset": "tests.datasets:Squares",
-        "batch_size": 5,
-        "shuffle": True,
-        "collate_fn": "tests.datasets:mixed_collate",
-    },
-    "iterable": {"dataset": "tests.datasets:Sharded", "batch_size": 4},
-    "iterable-drop-last": {"dataset": "tests.datasets:Sharded", "batch_size": 3, "drop_last": True},
-    "random-aug": {"dataset": "tests.datasets:RandomAug", "batch_size": 4, "shuffle": True},
-}
 WORKERS = (0, 1, 3)
 
 
@@ -63,46 +28,6 @@ def _spec(case: str, num_workers: int, **extra: Any) -> LoaderSpec:
     return LoaderSpec(
         name=f"{case}-{num_workers}{suffix}", num_workers=num_workers, **{**CASES[case], **extra}
     )
-
-
-def _factory(path: str, dataset: Any, generator: torch.Generator | None) -> Any:
-    factory = resolve(path)
-    if "generator" in inspect.signature(factory).parameters:
-        return factory(dataset, generator=generator)
-    return factory(dataset)
-
-
-def local_batches(spec: LoaderSpec, seed: int, epoch: int) -> list[Any]:
-    """torch's own DataLoader over the same dataset and options."""
-    dataset = resolve(spec.dataset)(**spec.dataset_kwargs)
-    generator = torch.Generator().manual_seed(seed + epoch)
-    loader = DataLoader(
-        dataset,
-        batch_size=spec.batch_size,
-        shuffle=spec.shuffle,
-        sampler=_factory(spec.sampler, dataset, generator) if spec.sampler else None,
-        batch_sampler=(
-            _factory(spec.batch_sampler, dataset, generator) if spec.batch_sampler else None
-        ),
-        collate_fn=resolve(spec.collate_fn) if spec.collate_fn else None,
-        drop_last=spec.drop_last,
-        num_workers=spec.num_workers,
-        generator=generator,
-        # Not fork unless the spec says so: this process runs gRPC threads (grpc/grpc#16001).
-        multiprocessing_context=(
-            (spec.multiprocessing_context or "forkserver") if spec.num_workers else None
-        ),
-        worker_init_fn=resolve(spec.worker_init_fn) if spec.worker_init_fn else None,
-    )
-    if spec.num_workers == 0:
-        # Documented: with num_workers = 0 the server seeds its own RNGs as worker 0 would be
-        # seeded; torch leaves the main process's RNGs alone, so do it here by hand.
-        probe = torch.Generator().manual_seed(seed + epoch)
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=probe).item())
-        random.seed(base_seed)
-        torch.manual_seed(base_seed)
-        np.random.seed(torch_worker._generate_state(base_seed, 0))
-    return list(loader)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ and test_ray.py / test_ray_life.py; the lanes' handshake in test_ray_lane.py.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,10 +26,17 @@ from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.ledger import MAX_TASK_ATTEMPTS
-from remote_loader.server.engine.pool import WorkerPool
-from tests.conftest import assert_same
-from tests.test_parity import CASES, SEED, local_batches
-from tests.test_ray import LOOPBACK, ContainedCluster, host_pid, start_cluster
+from tests.helpers import (
+    CASES,
+    LOOPBACK,
+    SEED,
+    ContainedCluster,
+    assert_same,
+    kill_a_worker,
+    local_batches,
+    persistent_pool,
+    start_cluster,
+)
 
 TIMEOUT = 1.0
 # Batch sizes that grow, shrink and spike: workers' slots (the Ray bridge's, per actor) grow,
@@ -124,12 +129,6 @@ def served(
             cluster.shutdown()
 
 
-def persistent_pool(server: Server, name: str) -> WorkerPool:
-    pool = server.hosts[name]._persistent
-    assert isinstance(pool, WorkerPool)
-    return pool
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("name", "case"), [("aug", "random-aug"), ("iterable", "iterable")])
 def test_workers_give_torchs_batches(served: Server, name: str, case: str) -> None:
@@ -211,15 +210,3 @@ def test_a_worker_killed_mid_epoch_costs_nothing(served: Server) -> None:
         assert got == list(range(24))  # every batch once, in order, no error
         assert [int(b) for b in loader] == list(range(24))  # and the next epoch too
     assert pool.restarts >= 1
-
-
-def kill_a_worker(pool: WorkerPool) -> None:
-    """SIGKILL the process that read the loader's latest sample: a worker process of the local
-    pool, a Ray actor's process (on this host: the cluster's nodes run here)."""
-    log = pool.spec.dataset_kwargs["log"]
-    with open(log) as readers:
-        pid = int(readers.read().split()[-1])
-    if pool.describe().get("kept"):
-        pid = host_pid(pid)  # an actor's own pid namespace named it
-    assert pid != os.getpid()
-    os.kill(pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from remote_loader.protos import generate, loader_pb2, wire
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.unit  # no server, no process, no Ray: tests/unit_guard.py
 

@@ -9,138 +9,32 @@ takes some of them with it.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from ray.cluster_utils import Cluster
 
-from remote_loader.client import DatasetError, RemoteLoader, RemoteLoaderError
+from remote_loader.client import DatasetError, RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
 from remote_loader.server.config.spec import ConfigError, LoaderSpec, read_config
 from remote_loader.server.engine import autotune
-from tests.conftest import assert_same, wait_until
-from tests.test_parity import CASES, SEED, local_batches
-
-LOOPBACK = "127.0.0.1"
-NODE: dict[str, Any] = {"node_ip_address": LOOPBACK, "object_store_memory": 80 << 20, "num_cpus": 1}
-# Ray picks the node's address itself unless told: on Linux it asks the route to the internet,
-# which here is not loopback. With this, any node started in this process uses 127.0.0.1.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Ray gives its control store 30 s to start (and a raylet 30 s to register, not configurable):
-# on a loaded 2-core machine that is not always enough, so the store gets more and a cluster
-# that failed to start is started again once (start_cluster).
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-
-
-def start_cluster(workers: int) -> Cluster:
-    """A head without CPUs and `workers` nodes of one CPU, all on 127.0.0.1."""
-    for attempt in (1, 2):
-        c: Cluster | None = None
-        try:
-            c = Cluster(
-                initialize_head=True,
-                head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False},
-            )
-            for _ in range(workers):
-                c.add_node(**NODE)
-            c.wait_for_nodes()
-            return c
-        except Exception:
-            if c is not None:
-                c.shutdown()  # type: ignore[no-untyped-call]
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-class ContainedCluster:
-    """A head and one worker node started with `ray start --block`, each in a PID namespace of
-    its own, as in containers: their processes' pids are not this host's, so this process
-    cannot map an actor's memory through /proc and its lanes are COPY lanes (NOTE [ Ray direct
-    lane ] in server/engine/ray/lane.py). On 127.0.0.2 (tests/test_readme.py says why). Stopped by
-    SIGKILL to each `unshare`, whose --kill-child takes its namespace down with it."""
-
-    HOST = "127.0.0.2"
-
-    def __init__(self, cpus: int = 2) -> None:
-        with socket.socket() as probe:
-            probe.bind((self.HOST, 0))
-            port = probe.getsockname()[1]
-        self.address = f"{self.HOST}:{port}"
-        ray = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
-        contained = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *ray]
-        # Without token authentication (tests/test_readme.py runs a cluster with it): given the
-        # session's RAY_AUTH_TOKEN but no RAY_AUTH_MODE, `ray start --head` asks for the token
-        # and `ray start --address` does not send it.
-        # And without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (set above for Cluster), which makes
-        # `ray start --address` refuse to join.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
-        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-        env["RAY_AUTH_MODE"] = "disabled"
-        quiet: dict[str, Any] = {
-            "stdout": subprocess.DEVNULL,
-            "stderr": subprocess.DEVNULL,
-            "env": env,
-        }
-        head = [f"--node-ip-address={self.HOST}", f"--port={port}", "--num-cpus=0"]
-        self.procs = [
-            subprocess.Popen([*contained, "--head", *head, "--include-dashboard=false"], **quiet)
-        ]
-        try:
-            node = [f"--address={self.address}", f"--node-ip-address={self.HOST}"]
-            assert wait_for_port(self.HOST, port, 60), "the contained head did not start"
-            self.procs.append(subprocess.Popen([*contained, *node, f"--num-cpus={cpus}"], **quiet))
-            status = [ray[0], "status", f"--address={self.address}"]
-            assert wait_until(
-                lambda: f"/{cpus}.0 CPU" in subprocess.run(status, env=env, **CAPTURE).stdout, 90
-            ), "the contained worker node did not join"
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def shutdown(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait(30)
-
-
-CAPTURE: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60}
-
-
-def wait_for_port(host: str, port: int, timeout: float) -> bool:
-    def accepts() -> bool:
-        with socket.socket() as s:
-            return s.connect_ex((host, port)) == 0
-
-    return wait_until(accepts, timeout)
-
-
-def host_pid(pid: int) -> int:
-    """The pid, in this process's namespace, of a Ray actor whose own namespace calls it `pid`
-    (its NSpid's last field)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        nspids = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid"))
-        if len(nspids) > 1 and int(nspids[-1]) == pid and b"RayWorker" in cmdline:
-            return int(entry)
-    raise AssertionError(f"no Ray actor whose own pid namespace calls it {pid}")
+from tests.helpers import (
+    CASES,
+    LOOPBACK,
+    NODE,
+    SEED,
+    assert_same,
+    first_error,
+    local_batches,
+    start_cluster,
+)
 
 
 @pytest.fixture(scope="module")
@@ -359,20 +253,6 @@ def test_a_stuck_actor_is_stopped_after_timeout_and_the_epoch_goes_on(cluster: C
         assert info.value.position == 4 and info.value.remote_type == "TimeoutError"
         assert "Ray worker" in str(info.value) and "stopped and replaced" in str(info.value)
         assert [int(b) for b in it] == list(range(5, 10))  # the others, re-issued, in order
-
-
-def first_error(ray_address: str, spec: LoaderSpec) -> tuple[str, float]:
-    """The error a stream of a Ray loader served against `ray_address` ends in, and the
-    seconds from the server's start to it."""
-    settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=ray_address)
-    started = time.monotonic()
-    with (
-        Server(settings, [spec]) as server,
-        RemoteLoader(server.address, retries=0) as loader,
-        pytest.raises(RemoteLoaderError) as info,
-    ):
-        list(loader)
-    return str(info.value), time.monotonic() - started
 
 
 @pytest.mark.timeout(60)

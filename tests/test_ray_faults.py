@@ -39,8 +39,7 @@ from remote_loader.server.engine.ray.backend import RayBackend
 from remote_loader.server.engine.ray.bridge import REPLACE_PATIENCE, SLOW_START_PATIENCE
 from remote_loader.server.transports.node import NAMED_AHEAD
 from tests.datasets import Sizes, Slow
-from tests.test_ray import LOOPBACK, NODE, ContainedCluster
-from tests.test_ray_life import descendants
+from tests.helpers import LOOPBACK, NODE, ContainedCluster, descendants
 
 REPO = Path(__file__).parent.parent
 

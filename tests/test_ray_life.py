@@ -29,38 +29,22 @@ from remote_loader.server.config.spec import ConfigError, LoaderSpec, resolve, s
 from remote_loader.server.engine import kept as kept_pools
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.engine.ray.connect import CONNECT_TIMEOUT, GCS_PROBE_METHOD
-from tests.conftest import (
+from tests.helpers import (
+    CASES,
+    LOOPBACK,
+    NODE,
+    SEED,
     assert_same,
+    descendants,
+    first_error,
+    local_batches,
     process_alive,
     serve_process,
+    start_cluster,
     stop_process,
     subprocess_env,
     wait_until,
 )
-from tests.test_parity import CASES, SEED, local_batches
-from tests.test_ray import LOOPBACK, NODE, first_error, start_cluster
-
-
-def descendants(pid: int) -> set[int]:
-    """Every living process below `pid`, from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 
 from remote_loader.protos import compression
 from remote_loader.server.engine.choice import RAY_INSTALL
-from tests.conftest import ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 
 README = (ROOT / "README.md").read_text()
 SERVING = ROOT / "docs" / "serving.md"

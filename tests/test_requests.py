@@ -41,7 +41,7 @@ from remote_loader.server.sharing.elastic import (
     resharded_plan,
 )
 from tests import datasets
-from tests.conftest import ServeLoaders, subprocess_env
+from tests.helpers import ServeLoaders, subprocess_env
 
 DESCRIBE = f"/{wire.SERVICE_NAME}/Describe"
 LIST = f"/{wire.SERVICE_NAME}/ListLoaders"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,8 +16,16 @@ from remote_loader.client import RemoteLoader, RequestError
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import StartServer, assert_same, serve_process, stop_process
 from tests.datasets import read_counts
+from tests.helpers import (
+    SLOW_SAMPLES,
+    CuttingProxy,
+    StartServer,
+    assert_same,
+    free_port,
+    serve_process,
+    stop_process,
+)
 
 EPOCH, SEED = 1, 3
 
@@ -208,58 +213,6 @@ def test_changed_spec_is_refused(start_server: StartServer) -> None:
 # --- broken connections and a restarted server ------------------------------------------------
 
 
-class CuttingProxy:
-    """A TCP proxy on 127.0.0.1 whose `cut()` resets every connection passing through it."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self._upstream = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._upstream)
-            with self._lock:
-                self._conns += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            # shutdown() first: it wakes the pump blocked in recv() on this socket (close()
-            # alone would not, and the pump could then read a new socket given the same fd).
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        self.cuts += 1
-
-    def close(self) -> None:
-        self._listener.close()
-        self.cut()
-
-
 @pytest.fixture
 def proxy() -> Iterator[Callable[[str], CuttingProxy]]:
     made: list[CuttingProxy] = []
@@ -279,18 +232,10 @@ def reconnects(loader: RemoteLoader) -> int:
     return loader._iterator._receiver.reconnects
 
 
-# Samples that take a few ms each, so the server is still producing when a connection breaks
-# (batches made ahead and buffered by gRPC would make the break harmless).
-SLOW: dict[str, Any] = {
-    "dataset": "tests.datasets:Slow",
-    "dataset_kwargs": {"n": 120, "seconds": 0.01},
-}
-
-
 def test_cut_connections_are_resumed_exactly(
     start_server: StartServer, proxy: Callable[[str], CuttingProxy]
 ) -> None:
-    address = start_server(squares("cut", shuffle=True, num_workers=2, **SLOW))
+    address = start_server(squares("cut", shuffle=True, num_workers=2, **SLOW_SAMPLES))
     expected = whole_epoch(address, "cut")
     middle = proxy(address)
     got = []
@@ -305,19 +250,14 @@ def test_cut_connections_are_resumed_exactly(
     assert_same(got, expected)
 
 
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 def test_server_killed_and_restarted_mid_epoch(tmp_path: Path) -> None:
     port = free_port()
     flags = [
         "--dataset",
-        SLOW["dataset"],
+        SLOW_SAMPLES["dataset"],
         "--dataset-kwargs",
-        json.dumps(SLOW["dataset_kwargs"]),
+        json.dumps(SLOW_SAMPLES["dataset_kwargs"]),
         "--batch-size",
         "2",
         "--shuffle",

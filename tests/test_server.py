@@ -11,7 +11,7 @@ import pytest
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server import ConfigError, LoaderSpec, Server, ServerSettings
-from tests.conftest import ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=10)
 LOCAL = ServerSettings(address="127.0.0.1:0")

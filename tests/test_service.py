@@ -21,9 +21,8 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.local import WORKER_JOIN_TIMEOUT
-from tests.conftest import ServeLoaders, StartServer, process_alive, raw_stream, wait_until
+from tests.helpers import SQUARES, ServeLoaders, StartServer, process_alive, raw_stream, wait_until
 
-SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
 # A ceiling for work that takes milliseconds on a quiet machine and seconds on a busy one.
 BUSY_MACHINE = 30.0
 FAILING = LoaderSpec(

@@ -11,9 +11,7 @@ import pytest
 from remote_loader.client import RemoteLoader
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
 from remote_loader.server.config.spec import ConfigError, read_config
-from tests.conftest import subprocess_env
-
-LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
+from tests.helpers import LOADER, TOKEN, subprocess_env
 
 
 @pytest.mark.unit
@@ -156,7 +154,6 @@ def test_serve_listens_where_the_server_table_says(tmp_path: Path) -> None:
 
 # --- limits, keepalive, the token, TLS, reflection ---------------------------------------------
 
-TOKEN = "s3cret-Token_0123456789"
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 
 

@@ -15,72 +15,25 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from remote_loader.client import ConnectionLostError, RemoteLoader
 from remote_loader.server.config.sampling import share, share_size
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ROOT, StartServer
 from tests.datasets import Squares, read_counts
-
-SEED, EPOCH, BATCH = 5, 1, 3
-
-
-def distributed(
-    n: int, world_size: int, rank: int, *, shuffle: bool, drop_last: bool = False, epoch: int = 0
-) -> list[int]:
-    """The sample indices torch's DistributedSampler (seed SEED) gives rank `rank`."""
-    sampler: DistributedSampler[int] = DistributedSampler(
-        Squares(n),
-        world_size,
-        rank,
-        shuffle=shuffle,
-        seed=SEED,
-        drop_last=drop_last,
-    )
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def indices(batches: list[Any]) -> list[list[int]]:
-    return [b["index"].tolist() for b in batches]
-
-
-def run_concurrently(*consumers: Callable[[], Any], timeout: float = 60) -> list[Any]:
-    """Runs each callable in its own thread; returns their results, raising the first error."""
-    results: list[Any] = [None] * len(consumers)
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            results[i] = consumers[i]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(consumers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
-    if errors:
-        raise errors[0]
-    return results
-
-
-def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[int]]]:
-    """A consumer that reads epoch EPOCH and returns its batches' indices."""
-
-    def consume() -> list[list[int]]:
-        with RemoteLoader(address, name, seed=SEED, **kwargs) as loader:
-            loader.set_epoch(EPOCH)
-            got = indices(list(loader))
-            if kwargs.get("sharing", "partition") != "dynamic":
-                assert len(loader) == len(got)
-            return got
-
-    return consume
-
+from tests.helpers import (
+    ROOT,
+    SHARING_BATCH,
+    SHARING_EPOCH,
+    SHARING_SEED,
+    StartServer,
+    broadcast_spec,
+    distributed,
+    epoch_of,
+    indices,
+    local_epoch,
+    run_concurrently,
+)
 
 # --- partition ------------------------------------------------------------------------------
 
@@ -108,7 +61,7 @@ PARTITION_SPECS = [
         name=f"n{n}-dl{int(dl)}-sh{int(sh)}-pdl{int(pdl)}",
         dataset="tests.datasets:Squares",
         dataset_kwargs={"n": n},
-        batch_size=BATCH,
+        batch_size=SHARING_BATCH,
         drop_last=dl,
         shuffle=sh,
         partition_drop_last=pdl,
@@ -123,10 +76,10 @@ def expected_share(spec: LoaderSpec, rank: int, world_size: int) -> list[list[in
     if world_size == 1:  # the loader's own epoch, as a local DataLoader with its generator
         local = DataLoader(
             dataset,
-            batch_size=BATCH,
+            batch_size=SHARING_BATCH,
             shuffle=bool(spec.shuffle),
             drop_last=spec.drop_last,
-            generator=torch.Generator().manual_seed(SEED + EPOCH),
+            generator=torch.Generator().manual_seed(SHARING_SEED + SHARING_EPOCH),
         )
         return indices(list(local))
     mine = distributed(
@@ -135,9 +88,9 @@ def expected_share(spec: LoaderSpec, rank: int, world_size: int) -> list[list[in
         rank,
         shuffle=bool(spec.shuffle),
         drop_last=spec.partition_drop_last,
-        epoch=EPOCH,
+        epoch=SHARING_EPOCH,
     )
-    return indices(list(DataLoader(dataset, BATCH, sampler=mine, drop_last=spec.drop_last)))
+    return indices(list(DataLoader(dataset, SHARING_BATCH, sampler=mine, drop_last=spec.drop_last)))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -192,7 +145,7 @@ def test_partition_with_workers_reads_each_sample_once(
 
 def _rank_reader(address: str, rank: int, world_size: int, epoch: int) -> Callable[[], Any]:
     def consume() -> list[list[int]]:
-        with RemoteLoader(address, seed=SEED, rank=rank, world_size=world_size) as loader:
+        with RemoteLoader(address, seed=SHARING_SEED, rank=rank, world_size=world_size) as loader:
             loader.set_epoch(epoch)
             return indices(list(loader))
 
@@ -254,25 +207,6 @@ def test_a_slow_rank_does_not_hold_a_fast_one(start_server: StartServer, tmp_pat
 # --- broadcast ------------------------------------------------------------------------------
 
 
-def broadcast_spec(log: str, **kwargs: Any) -> LoaderSpec:
-    options: dict[str, Any] = {
-        "name": "counted",
-        "dataset": "tests.datasets:Counted",
-        "dataset_kwargs": {"log": log, "n": 60},
-        "batch_size": 4,
-        "shuffle": True,
-        "num_workers": 2,
-        "broadcast_window": 3,
-    }
-    options.update(kwargs)
-    return LoaderSpec(**options)
-
-
-def local_epoch(n: int, batch_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(SEED + EPOCH)
-    return indices(list(DataLoader(Squares(n), batch_size, shuffle=True, generator=generator)))
-
-
 def test_broadcast_reads_each_sample_once_for_three(
     start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -291,8 +225,8 @@ def test_broadcast_late_joiner_gets_the_whole_epoch(
     log = str(tmp_path / "reads")
     address = start_server(broadcast_spec(log, num_workers=0, broadcast_window=2))
     expected = local_epoch(60, 4)
-    early = RemoteLoader(address, seed=SEED, sharing="broadcast", prefetch=1)
-    early.set_epoch(EPOCH)
+    early = RemoteLoader(address, seed=SHARING_SEED, sharing="broadcast", prefetch=1)
+    early.set_epoch(SHARING_EPOCH)
     early_it = iter(early)
     head = [next(early_it)["index"].tolist() for _ in range(10)]  # well past the window
     # A consumer that joins after batch 0 was retired cannot share: it gets a Run of its own
@@ -310,8 +244,8 @@ def test_broadcast_group_waits_for_its_members(start_server: StartServer, tmp_pa
     # late still shares the production (each sample read once).
     log = str(tmp_path / "reads")
     address = start_server(broadcast_spec(log, num_workers=0, broadcast_window=2))
-    first = RemoteLoader(address, seed=SEED, sharing="broadcast", rank=0, world_size=2)
-    first.set_epoch(EPOCH)
+    first = RemoteLoader(address, seed=SHARING_SEED, sharing="broadcast", rank=0, world_size=2)
+    first.set_epoch(SHARING_EPOCH)
     first_it = iter(first)
     head = [next(first_it)["index"].tolist() for _ in range(2)]
     time.sleep(0.5)  # rank 0 is held at the window meanwhile

@@ -8,58 +8,44 @@ the shared memory when either side goes away.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from remote_loader.client import RemoteLoader, assembly
 from remote_loader.client.types import Transport
-from remote_loader.protos import doorbell, shm, shm_probe, tcp
 from remote_loader.protos import loader_pb2 as pb
+from remote_loader.protos import shm, shm_probe, tcp
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import (
+from tests.helpers import (
     ServeLoaders,
     assert_same,
+    copiers,
+    expected,
     raw_stream,
-    serve_process,
+    rings,
+    serve_sizes,
+    sizes_spec,
     stop_process,
     subprocess_env,
     wait_until,
 )
 
-
-def rings() -> set[str]:
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.RING_PREFIX)}
+# No ring or bell is left in /dev/shm after a test.
+pytestmark = pytest.mark.usefixtures("no_ring_left_behind")
 
 
 def mapped_rings(pid: int) -> list[str]:
     """The rings process `pid` still maps (named or unlinked)."""
     with open(f"/proc/{pid}/maps") as f:
         return [line for line in f if shm.RING_PREFIX in line]
-
-
-def left_in_dev_shm() -> set[str]:
-    """The rings in /dev/shm, and their doorbells (NOTE [ Doorbell ] in protos/doorbell.py)."""
-    prefixes = (shm.RING_PREFIX, doorbell.BELL_PREFIX)
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefixes)}
-
-
-@pytest.fixture(autouse=True)
-def _no_ring_left_behind() -> Iterator[None]:
-    before = left_in_dev_shm()
-    yield
-    assert wait_until(lambda: not left_in_dev_shm() - before, 5.0), left_in_dev_shm() - before
 
 
 # --- the probe -----------------------------------------------------------------------------
@@ -218,36 +204,6 @@ def test_no_room_in_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch: pytest.Mo
 # --- over a real server --------------------------------------------------------------------
 
 
-def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
-    return LoaderSpec(
-        name="sizes",
-        dataset="tests.datasets:Sizes",
-        dataset_kwargs={"sizes": sizes},
-        batch_size=None,
-        num_workers=num_workers,
-        **options,
-    )
-
-
-def serve_sizes(sizes: list[int], num_workers: int, *flags: str) -> tuple[Any, str]:
-    """`remote-loader serve` of the Sizes dataset (one batch per size) plus `flags`."""
-    return serve_process(
-        "--dataset",
-        "tests.datasets:Sizes",
-        "--dataset-kwargs",
-        json.dumps({"sizes": sizes}),
-        "--batch-size",
-        "none",
-        "--num-workers",
-        str(num_workers),
-        *flags,
-    )
-
-
-def expected(sizes: list[int]) -> list[torch.Tensor]:
-    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_host_streams_go_through_shared_memory(
     serve_loaders: ServeLoaders, num_workers: int
@@ -333,21 +289,6 @@ def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
     firsts = sorted(int(row[0]) for batch in received for row in batch)
     assert firsts == list(range(36))
     assert all(bool((row == row[0]).all()) for batch in received for row in batch)
-
-
-@pytest.fixture
-def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
-    [ Copying a batch in ]); a pool of its own, shut down after."""
-    monkeypatch.setattr(assembly, "COPY_THREADS", 3)
-    monkeypatch.setattr(assembly, "_copy_pool", None)
-    yield
-    if assembly._copy_pool is not None:
-        assembly._copy_pool[1].shutdown()
-
-
-def copiers() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("rl-copy")}
 
 
 @pytest.mark.unit

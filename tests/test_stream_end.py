@@ -18,9 +18,16 @@ import pytest
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
-from tests.conftest import Served, ServeLoaders, assert_same, raw_stream, wait_until
-from tests.test_shm import expected, sizes_spec
-from tests.test_striping import data_sockets
+from tests.helpers import (
+    Served,
+    ServeLoaders,
+    assert_same,
+    data_sockets,
+    expected,
+    raw_stream,
+    sizes_spec,
+    wait_until,
+)
 
 # Small enough that nearly all of a batch waits in the server's send buffer (4 MiB asked,
 # twice that granted), not in this client's.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import random
 import socket
 import threading
@@ -30,10 +29,16 @@ from remote_loader.client.transports.tcp import STRIPE_THREAD_NAME as RECV_THREA
 from remote_loader.protos import codec, tcp
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.server.transports.tcp import STRIPE_THREAD_NAME as SEND_THREADS
-from tests.conftest import ServeLoaders, assert_same, raw_stream, wait_until
-from tests.test_shm import expected, sizes_spec
-
-MiB = tcp.MIN_STRIPE
+from tests.helpers import (
+    MiB,
+    ServeLoaders,
+    assert_same,
+    data_sockets,
+    expected,
+    raw_stream,
+    sizes_spec,
+    wait_until,
+)
 
 
 def payload_for(total: int) -> int:
@@ -62,47 +67,6 @@ SIZES = [
 
 def stripe_threads(prefix: str) -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
-
-
-def data_sockets(port: int) -> int:
-    """This process's open TCP sockets on `port`'s data connections, the server's ends (local
-    port `port`, not the listener) and the client's (remote port `port`)."""
-    ports: dict[str, bool] = {}  # inode: a connection on `port`
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-                on_port = int(local.rsplit(":", 1)[1], 16) == port or (
-                    int(remote.rsplit(":", 1)[1], 16) == port
-                )
-                ports[inode] = on_port and state != "0A"  # 0A: LISTEN
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("socket:[") and ports.get(target[8:-1], False):
-            count += 1
-    return count
-
-
-@pytest.fixture
-def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
-    """The client's sockets that data arrived on (by fileno), through tcp.recv_into."""
-    real: Callable[..., bool] = tcp.recv_into
-    used: set[int] = set()
-    lock = threading.Lock()
-
-    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
-        if len(out):
-            with lock:
-                used.add(sock.fileno())
-        return real(sock, out, *args)
-
-    monkeypatch.setattr(tcp, "recv_into", spy)
-    yield used
 
 
 # --- how a batch is cut and filled ---------------------------------------------------------

@@ -17,16 +17,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from remote_loader.client import ConnectionLostError, RemoteLoader, RequestError
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.pool import WorkerPool
-from tests.conftest import (
-    Served,
+from tests.helpers import (
     ServeLoaders,
+    descendants,
+    health_status,
+    persistent_pool,
     process_alive,
     serve_process,
     subprocess_env,
@@ -49,12 +49,6 @@ def slow(name: str = "slow", n: int = 40, seconds: float = 0.004, **options: Any
 
 def values(batches: Any) -> list[int]:
     return [int(v) for batch in batches for v in batch]
-
-
-def persistent_pool(served: Served, name: str) -> WorkerPool:
-    pool = served.hosts[name]._persistent
-    assert isinstance(pool, WorkerPool)
-    return pool
 
 
 @pytest.mark.timeout(30)
@@ -132,24 +126,6 @@ def test_a_killed_client_frees_the_server_within_two_seconds(
         assert values(loader) == list(range(400))
 
 
-def descendants(pid: int) -> set[int]:
-    """All processes below `pid` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier}
-        found |= frontier
-    return found
-
-
 SLOW_FLAGS = [
     "--dataset",
     "tests.datasets:Slow",
@@ -184,14 +160,6 @@ def test_killed_server_leaves_no_worker_and_no_shared_memory() -> None:
     assert wait_until(lambda: not set(os.listdir("/dev/shm")) - shm_before, 10.0), (
         set(os.listdir("/dev/shm")) - shm_before
     )
-
-
-def health_status(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=10
-        )
-    return int(reply.status)
 
 
 # Generous ceilings, not timings: on a busy 2-core machine a signal, a health check or a

@@ -23,15 +23,17 @@ from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp
 from remote_loader.server.api.server import resolve_data_address
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     ServeLoaders,
     assert_same,
+    expected,
     raw_stream,
+    serve_sizes,
+    sizes_spec,
     stop_process,
     wait_until,
 )
-from tests.test_shm import expected, serve_sizes, sizes_spec
 
 SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
 

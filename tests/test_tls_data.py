@@ -1,7 +1,7 @@
 """Data connections of a TLS server (NOTE [ TLS data connection ] in protos/tcp.py): wrapped in
 TLS with the gRPC port's certificate (and client CA, for mutual TLS), their tickets still given
 inside the authenticated stream; real servers on port 0 and certificates made by
-tests/test_auth.py's `pki`.
+the `pki` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,15 +18,7 @@ import pytest
 from remote_loader.client import TLS, RemoteLoader
 from remote_loader.protos import tcp
 from remote_loader.server.transports import DataListener
-from tests import test_auth, test_striping
-from tests.conftest import ServeLoaders, assert_same
-from tests.test_auth import PKI
-from tests.test_shm import expected, sizes_spec
-
-# tests/test_auth.py's CA and certificates, made once for this module too.
-pki = test_auth.pki
-# tests/test_striping.py's spy: the client's sockets that data arrived on.
-recv_spy = test_striping.recv_spy
+from tests.helpers import PKI, ServeLoaders, assert_same, expected, sizes_spec
 
 SIZES = [1000, 5_000_000, 7, 300_000, 12_000_000, 0, 44]
 

@@ -21,9 +21,8 @@ from remote_loader.client import TLS
 from remote_loader.server.api.server import Server
 from remote_loader.server.cli.top import ASCII_SPARKS, SPARKS, sparkline
 from tests import stalls
-from tests.conftest import ServeLoaders, subprocess_env
+from tests.helpers import PKI, TOKEN, ServeLoaders, subprocess_env
 from tests.stalls import gauge, scrape, stalled_spec
-from tests.test_auth import PKI, TOKEN, pki  # noqa: F401  (pki: the fixture)
 
 TOP = [sys.executable, "-m", "remote_loader.server.cli.main", "top"]
 # A trainer's line: job, rank/world, sharing, epoch, stall, stage.
@@ -140,7 +139,7 @@ def test_the_live_view_shows_each_trainers_stall_and_quits_cleanly(
 @pytest.mark.timeout(120)
 def test_top_reaches_a_server_over_mutual_tls_with_the_trainers_token(
     serve_loaders: ServeLoaders,
-    pki: PKI,  # noqa: F811  (the fixture imported above)
+    pki: PKI,
 ) -> None:
     served = serve_loaders(stalled_spec(), **pki.server_settings(mutual=True), token=TOKEN)
     mutual = TLS(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name="localhost")

@@ -29,11 +29,7 @@ from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.engine.seam import WorkerDiedError
 from remote_loader.server.errors import CapturedError
 from tests import datasets
-from tests.conftest import ServeLoaders, assert_same, raw_stream
-from tests.test_parity import SEED, local_batches
-
-# torch's `where` for a worker's exception (ExceptionWrapper), which the server's workers say too.
-WORKER_0 = "in DataLoader worker process 0"
+from tests.helpers import SEED, WORKER_0, ServeLoaders, assert_same, local_batches, raw_stream
 
 
 def _raised_by_torch(loader: DataLoader[Any]) -> BaseException:

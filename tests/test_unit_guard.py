@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from remote_loader.server.api import server as server_module
+from tests.helpers import UNIT_MARKER_INI
 
 pytest_plugins = ["pytester"]
 
@@ -86,8 +87,6 @@ def test_pure():
     assert sum(range(4)) == 6
 """
 
-MARKERS = "[pytest]\nmarkers =\n    unit: no server, no process, no Ray\n"
-
 
 @pytest.mark.unit
 def test_a_unit_test_that_starts_a_server_or_a_process_fails(pytester: pytest.Pytester) -> None:
@@ -100,7 +99,7 @@ def test_a_unit_test_that_starts_a_server_or_a_process_fails(pytester: pytest.Py
         (os, "fork"),
     ]
     before = [getattr(owner, name) for owner, name in replaced]
-    pytester.makeini(MARKERS)
+    pytester.makeini(UNIT_MARKER_INI)
     pytester.makeconftest('pytest_plugins = ["tests.unit_guard"]')
     pytester.makepyfile(test_inner=INNER)
 
@@ -135,7 +134,7 @@ def test_a_unit_test_that_starts_a_server_or_a_process_fails(pytester: pytest.Py
 # Not marked unit itself (though it starts nothing): inside a unit test the inner test would see
 # the outer guard's replacements.
 def test_an_unmarked_test_is_left_alone(pytester: pytest.Pytester) -> None:
-    pytester.makeini(MARKERS)
+    pytester.makeini(UNIT_MARKER_INI)
     pytester.makeconftest('pytest_plugins = ["tests.unit_guard"]')
     pytester.makepyfile(
         test_inner="""

@@ -11,7 +11,7 @@ import torch
 
 from remote_loader.client import RemoteLoader
 from remote_loader.server.config.spec import LoaderSpec
-from tests.conftest import ServeLoaders, serve_process, stop_process
+from tests.helpers import ServeLoaders, serve_process, stop_process
 
 
 def threads_spec(name: str, **options: Any) -> LoaderSpec:

@@ -27,9 +27,14 @@ from remote_loader.client.types import Sharing
 from remote_loader.protos import shm, slots
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.transports.shm import ShmSender
-from tests.conftest import ServeLoaders, assert_same, subprocess_env
-from tests.test_sharing import run_concurrently
-from tests.test_shm import expected, sizes_spec
+from tests.helpers import (
+    ServeLoaders,
+    assert_same,
+    expected,
+    run_concurrently,
+    sizes_spec,
+    subprocess_env,
+)
 
 
 @pytest.fixture
