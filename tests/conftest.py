@@ -80,7 +80,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-examples",
         type=int,
         default=None,
-        help="examples per case of tests/test_conformance.py (default 25; more to run it long)",
+        help=(
+            "examples per case of tests/integration/test_conformance.py (default 25; more to run"
+            " it long)"
+        ),
     )
 
 
@@ -101,7 +104,16 @@ class RayFiles:
 RAY_FILES = pytest.StashKey[RayFiles]()
 
 
+UNIT_DIR = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks given here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The folder is the mark: every test in tests/unit/ is `unit` (and tests/unit_guard.py holds
+    # it to that), every other one `integration`.
+    for item in items:
+        unit = item.path.is_relative_to(UNIT_DIR)
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
     # `-m unit` on the command line replaces pyproject's `-m 'not gpu'`: a test that needs CUDA
     # runs only where the marker expression names gpu (`pytest -m gpu`), never in the fast loop.
     if "gpu" in (config.option.markexpr or ""):
@@ -115,15 +127,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     examples = config.getoption("--conformance-examples")
     if examples is not None:
-        # Read when tests/test_conformance.py is imported, which is after this.
+        # Read when tests/integration/test_conformance.py is imported, which is after this.
         os.environ["REMOTE_LOADER_CONFORMANCE_EXAMPLES"] = str(examples)
     config.stash[RAY_FILES] = redirect_ray_files()
 
 
 def redirect_ray_files() -> RayFiles:
-    """Keeps the Ray instances the tests start (tests/test_ray.py's cluster, a server's local
-    instance, in this process or in `remote-loader serve` children: all inherit os.environ)
-    from leaving files behind.
+    """Keeps the Ray instances the tests start (tests/integration/test_ray.py's cluster, a
+    server's local instance, in this process or in `remote-loader serve` children: all inherit
+    os.environ) from leaving files behind.
 
     - Session folders (logs, sockets, spilled objects): Ray puts them under $RAY_TMPDIR/ray
       (else $TMPDIR, else /tmp: /tmp/ray/session_*, never removed). Here a fresh folder of

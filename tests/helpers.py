@@ -402,8 +402,8 @@ class ContainedCluster:
     """A head and one worker node started with `ray start --block`, each in a PID namespace of
     its own, as in containers: their processes' pids are not this host's, so this process
     cannot map an actor's memory through /proc and its lanes are COPY lanes (NOTE [ Ray direct
-    lane ] in server/engine/ray/lane.py). On 127.0.0.2 (tests/test_readme.py says why). Stopped by
-    SIGKILL to each `unshare`, whose --kill-child takes its namespace down with it."""
+    lane ] in server/engine/ray/lane.py). On 127.0.0.2 (tests/integration/test_readme.py says why).
+    Stopped by SIGKILL to each `unshare`, whose --kill-child takes its namespace down with it."""
 
     HOST = "127.0.0.2"
 
@@ -414,9 +414,9 @@ class ContainedCluster:
         self.address = f"{self.HOST}:{port}"
         ray = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
         contained = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *ray]
-        # Without token authentication (tests/test_readme.py runs a cluster with it): given the
-        # session's RAY_AUTH_TOKEN but no RAY_AUTH_MODE, `ray start --head` asks for the token
-        # and `ray start --address` does not send it.
+        # Without token authentication (tests/integration/test_readme.py runs a cluster with it):
+        # given the session's RAY_AUTH_TOKEN but no RAY_AUTH_MODE, `ray start --head` asks for the
+        # token and `ray start --address` does not send it.
         # And without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (set above for Cluster), which makes
         # `ray start --address` refuse to join.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}

@@ -1,0 +1,30 @@
+"""The Ray pool backend on a real multi-node Ray cluster, simulated on this host.
+
+Every node is bound to 127.0.0.1 (this machine may use loopback only; Ray would otherwise pick
+the host's own address). One cluster serves the module: a head without CPUs (it holds no
+actor) and two worker nodes, so SPREAD puts the actors of a loader on both and a removed node
+takes some of them with it.
+
+The tests that start a server, a process or Ray: tests/integration/test_ray.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from remote_loader.server.api.settings import resolve_settings
+from remote_loader.server.config.spec import ConfigError, LoaderSpec, read_config
+
+
+def test_pool_ray_is_checked_in_the_spec() -> None:
+    with pytest.raises(ConfigError, match="pool must be one of local, ray"):
+        # A typo is a type error (config/types.py), and at run time this ConfigError.
+        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="slurm")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs num_workers >= 1"):
+        LoaderSpec(name="x", dataset="tests.datasets:Squares", pool="ray")
+
+
+def test_the_compose_ray_config_serves_a_ray_pool() -> None:
+    specs, table = read_config("docker/loaders-ray.toml")
+    assert {spec.pool for spec in specs.values()} == {"ray"}
+    assert resolve_settings(table, {}).ray_address == "auto"
