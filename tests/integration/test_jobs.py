@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tests.helpers import (
     epoch_of,
     local_epoch,
     run_concurrently,
+    wait_until,
 )
 
 # --- four at once, and what is refused ------------------------------------------------------
@@ -193,12 +193,7 @@ def test_a_run_waiting_for_the_jobs_workers_ends_when_its_consumer_goes(
     runs = served.hosts["blobs"].runs
 
     def active(n: int) -> bool:
-        deadline = time.monotonic() + 5
-        while len(runs.active()) != n:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
+        return wait_until(lambda: len(runs.active()) == n, 5)
 
     slow = RemoteLoader(served.address, rank=1, world_size=2, prefetch=1)
     slow_it = iter(slow)

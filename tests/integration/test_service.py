@@ -160,10 +160,8 @@ def test_breaking_out_stops_the_server_work(start_server: StartServer) -> None:
             if i == 3:
                 break
     # The stream's workers (a pool of its own: not persistent) exit once the client has gone.
-    deadline = time.monotonic() + 5
-    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pids and not any(process_alive(pid) for pid in pids)
+    assert pids
+    assert wait_until(lambda: not any(process_alive(pid) for pid in pids), 5)
 
 
 def slowest_unary_calls(channel: grpc.Channel, rounds: int = 5, pause: float = 0.0) -> float:

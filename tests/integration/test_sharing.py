@@ -230,7 +230,9 @@ def test_broadcast_group_waits_for_its_members(start_server: StartServer, tmp_pa
     first.set_epoch(SHARING_EPOCH)
     first_it = iter(first)
     head = [next(first_it)["index"].tolist() for _ in range(2)]
-    time.sleep(0.5)  # rank 0 is held at the window meanwhile
+    # The scenario, not a wait for a state: rank 1 comes 0.5 s late. Rank 0 is held at the window
+    # meanwhile; were batches retired without rank 1, they would be read again for it below.
+    time.sleep(0.5)
     second = epoch_of(address, "counted", sharing="broadcast", rank=1, world_size=2)
     got_second, rest = run_concurrently(second, lambda: indices(list(first_it)))
     first.close()

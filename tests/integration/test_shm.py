@@ -283,7 +283,8 @@ def test_a_whole_epoch_in_the_ring_still_reaches_a_late_reader(serve_loaders: Se
     for _ in range(5):
         with RemoteLoader(served.address, prefetch=1) as loader:
             it = iter(loader)
-            time.sleep(0.3)  # the server has placed and sent everything by now
+            # The server has placed and sent everything: its stream is over.
+            assert served.server.service.wait_streams(10)
             received = list(it)
             assert loader.last_transport == "shm"
         assert_same(received, expected(sizes))

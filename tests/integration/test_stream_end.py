@@ -80,6 +80,10 @@ def test_the_last_batch_outlives_its_stream_and_a_heartbeat_the_server_never_rea
         # nearly all of the last batch is still in the kernel: a close now would reset the
         # connection and drop what the server's buffer holds.
         assert wait_until(lambda: served.server.service.admission.running == 0, 10)
+        # A time, not a state: what is checked is that the stream's end does NOT reset the
+        # connection; a reset would follow the handler's return within milliseconds, and this
+        # lets it arrive before the read below (the server keeps its end open meanwhile, so no
+        # state of ours changes when it is right).
         time.sleep(0.2)
         data = bytearray(last.total_bytes)
         assert tcp.recv_into(sock, memoryview(data), lambda: False)  # all of it

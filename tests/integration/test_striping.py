@@ -236,8 +236,8 @@ def test_a_stream_stopped_mid_stripe_ends_at_once(
             asking = threading.Thread(target=_next_quietly, args=(it,), daemon=True)
             asking.start()
             assert stalled.wait(10)
-            time.sleep(0.3)  # the client's readers wait on the stalled stripe
-            assert stripe_threads(RECV_THREADS)
+            # The client's readers are up, waiting on the stalled stripe.
+            assert wait_until(lambda: bool(stripe_threads(RECV_THREADS)), 10)
             started = time.monotonic()
             it.close()
             assert time.monotonic() - started < 2  # every reader honoured stopped()

@@ -23,6 +23,7 @@ from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.run import Consumer
 from remote_loader.server.sharing.runs import Runs
+from tests.helpers import wait_until
 
 NEVER = threading.Event()  # a stream that is never cancelled
 CEILING = 30.0  # a bound for waits that take milliseconds (a busy machine takes longer)
@@ -292,10 +293,8 @@ def test_a_cancelled_consumer_is_let_go_without_waiting() -> None:
     asked = time.monotonic()
     consumer.let_go()  # gRPC's cancellation callback: queues it, returns at once
     assert time.monotonic() - asked < 1.0
-    deadline = time.monotonic() + CEILING
-    while runs.active() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not runs.active()  # the reaper detached it; the Run ended with its last consumer
+    # The reaper detaches it; the Run ends with its last consumer.
+    assert wait_until(lambda: not runs.active(), CEILING)
     runs.close()
 
 
@@ -330,17 +329,16 @@ def _no_thread_left() -> Iterator[None]:
     yield
     while _OPEN:
         _OPEN.pop().close()
-    deadline = time.monotonic() + CEILING
-    while time.monotonic() < deadline:
-        left = [
+
+    def left() -> list[threading.Thread]:
+        return [
             t
             for t in set(threading.enumerate()) - before
             if t.name.startswith(("rl-run", "rl-reaper"))
         ]
-        if not left:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"Run or reaper threads left running: {left}")
+
+    if not wait_until(lambda: not left(), CEILING):
+        pytest.fail(f"Run or reaper threads left running: {left()}")
 
 
 def test_a_broadcast_group_waits_group_timeout_for_its_ranks_not_detach_timeout() -> None:
