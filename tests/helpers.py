@@ -316,16 +316,16 @@ SLOW = LoaderSpec(
 def log_lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[str]:
     """The service's log lines starting with `prefix`, waiting (5 s at most) for `count`:
     a stream's end line is written by its handler thread after the client has its answer."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [
+
+    def lines() -> list[str]:
+        return [
             r.getMessage()
             for r in caplog.records
             if r.name == "remote_loader.server.api.service" and r.getMessage().startswith(prefix)
         ]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+
+    wait_until(lambda: len(lines()) >= count, 5)
+    return lines()
 
 
 def log_fields(line: str) -> dict[str, str]:
@@ -578,6 +578,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port` now (SO_REUSEADDR, as gRPC binds: a
+    connection of a dead server's in TIME_WAIT does not count, a listener does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+        return True
+
+
 SHARING_SEED, SHARING_EPOCH, SHARING_BATCH = 5, 1, 3
 
 
@@ -796,7 +809,7 @@ def write_pem(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKe
 
 def persistent_pool(server: Server | Served, name: str) -> WorkerPool:
     """The local worker pool loader `name` keeps across epochs."""
-    pool = server.hosts[name]._persistent
+    pool = server.hosts[name].persistent_pool
     assert isinstance(pool, WorkerPool)
     return pool
 

@@ -148,7 +148,7 @@ def test_resumed_streams_carry_the_token(serve_loaders: ServeLoaders, tmp_path: 
                 got += batch.tolist()
                 if i in (3, 12):
                     middle.cut()
-            assert loader._iterator is not None and loader._iterator._receiver.reconnects >= 1
+            assert loader.stats().reconnects >= 1
     finally:
         middle.close()
     assert got == list(range(60))

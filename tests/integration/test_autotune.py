@@ -33,7 +33,7 @@ def auto_spec(name: str, **options: Any) -> LoaderSpec:
 
 
 def pool_of(served: Any, name: str) -> WorkerPool:
-    pool = served.hosts[name]._persistent
+    pool = served.hosts[name].persistent_pool
     assert isinstance(pool, WorkerPool)
     return pool
 

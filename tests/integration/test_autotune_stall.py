@@ -37,7 +37,7 @@ def test_a_real_pool_grows_while_its_trainer_reports_waiting_on_it(
         max_workers=3,
     )
     served = serve_loaders(spec)
-    pool = served.hosts["auto"]._persistent
+    pool = served.hosts["auto"].persistent_pool
     assert isinstance(pool, WorkerPool) and pool.num_workers == 1
     logs = caplog.at_level(logging.INFO, logger="remote_loader.server.engine.autotune")
     with logs, Trainer(served.address, "auto") as trainer:  # it reads as fast as it can

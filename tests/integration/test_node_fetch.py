@@ -25,8 +25,7 @@ from remote_loader.client.types import Transport
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.engine.pool import WorkerPool
-from tests.helpers import ContainedCluster, kill_a_worker, wait_until
+from tests.helpers import ContainedCluster, kill_a_worker, persistent_pool, wait_until
 
 # Batches of 1 to 3 MiB and a few small ones: striped over the node connections, and not.
 SIZES = [(3 << 20) - 7, 100, 1 << 20, (2 << 20) + 5, 7, 3 << 20] * 4
@@ -151,24 +150,19 @@ def test_a_trainer_that_cannot_reach_the_node_gets_every_batch_through_the_serve
     assert after["server"] - before.get("server", 0) == result["bytes"]
 
 
-def slow_pool(server: Server) -> WorkerPool:
-    pool = server.hosts["slow"]._persistent
-    assert isinstance(pool, WorkerPool)
-    return pool
-
-
 @pytest.mark.timeout(300)
 def test_an_actor_lost_after_its_batches_were_named_costs_one_resume(
     servers: tuple[Server, Server],
 ) -> None:
     server, _ = servers
-    pool = slow_pool(server)
+    pool = persistent_pool(server, "slow")
     with RemoteLoader(server.address, "slow", transport="tcp") as loader:
         batches = iter(loader)
         got = [int(next(batches)[0, 0])]
         # Meanwhile the pool makes ahead (prefetch_factor * num_workers tasks, the lane's
         # window) and the server names each batch on its node as it comes: this trainer has
-        # fetched none of them.
+        # fetched none of them. A time, not a state: no public count says how many batches a
+        # node keeps, and a kill that lands sooner only makes less ahead (the test still holds).
         time.sleep(1.0)
         kill_a_worker(pool)  # the one that made the latest of them
         got += [int(b[0, 0]) for b in batches]
@@ -201,7 +195,7 @@ def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     gets every batch from the server, which fetches each when it sends it; those made ahead wait on
     their node, and are made again by another actor when theirs is lost."""
     server, _ = servers
-    pool = slow_pool(server)
+    pool = persistent_pool(server, "slow")
     remade = int(pool.describe()["remade"])
     argv = link.wrap([sys.executable, "-c", SLOW_TRAINER, server.address])
     trainer = subprocess.Popen(
@@ -214,7 +208,9 @@ def test_an_actor_lost_with_batches_not_yet_sent_costs_nothing(
     try:
         assert trainer.stdout is not None and trainer.stdin is not None
         assert trainer.stdout.readline().strip() == "waiting"
-        time.sleep(1.0)  # the pool makes ahead: batches kept on the node, not sent
+        # The pool makes ahead: batches kept on the node, not sent. A time, not a state (no
+        # public count of the batches a node keeps; see the test above).
+        time.sleep(1.0)
         kill_a_worker(pool)
         trainer.stdin.write("go\n")
         trainer.stdin.flush()

@@ -223,7 +223,7 @@ def test_num_workers_auto_adds_actors_while_they_cannot_keep_up(
     fixed = LoaderSpec(name="fixed", num_workers=2, **options)
     settings = ServerSettings(address=f"{LOOPBACK}:0", ray_address=cluster.address)
     with Server(settings, [auto, fixed]) as server:
-        pool = server.hosts["auto"]._persistent
+        pool = server.hosts["auto"].persistent_pool
         assert pool is not None and pool.describe()["workers"] == 1
         with RemoteLoader(server.address, "auto") as loader:
             got = [b.tolist() for b in loader]

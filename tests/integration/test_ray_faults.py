@@ -131,7 +131,7 @@ def test_a_replacement_placed_on_a_dead_node_ends_in_an_answer(
             Server(settings, [slow_spec()]) as server,
             RemoteLoader(server.address, timeout=60) as loader,
         ):
-            pool = server.hosts["slow"]._persistent
+            pool = server.hosts["slow"].persistent_pool
             assert isinstance(pool, WorkerPool) and server.hosts["slow"].pool_info["nodes"] == 2
             got, longest = epoch_losing(loader, doomed)
             assert got == torch_batches()  # every batch once, in order
@@ -167,7 +167,7 @@ def test_a_pool_short_after_a_node_loss_grows_back_when_a_node_joins(
             RemoteLoader(server.address, timeout=60) as loader,
         ):
             host = server.hosts["slow"]
-            pool = host._persistent
+            pool = host.persistent_pool
             assert isinstance(pool, WorkerPool)
             gauge = host.metrics._pool_workers.labels("slow", "ray")
             got, _ = epoch_losing(loader, doomed)
@@ -244,7 +244,7 @@ def server(link: Link) -> Iterator[Server]:
 
 
 def pool_of(server: Server, name: str) -> WorkerPool:
-    pool = server.hosts[name]._persistent
+    pool = server.hosts[name].persistent_pool
     assert isinstance(pool, WorkerPool)
     return pool
 

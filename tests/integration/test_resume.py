@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,10 @@ from tests.helpers import (
     StartServer,
     assert_same,
     free_port,
+    port_free,
     serve_process,
     stop_process,
+    wait_until,
 )
 
 EPOCH, SEED = 1, 3
@@ -228,8 +229,7 @@ def proxy() -> Iterator[Callable[[str], CuttingProxy]]:
 
 def reconnects(loader: RemoteLoader) -> int:
     """How often the loader's last epoch resumed a broken stream."""
-    assert loader._iterator is not None
-    return loader._iterator._receiver.reconnects
+    return loader.stats().reconnects
 
 
 def test_cut_connections_are_resumed_exactly(
@@ -286,7 +286,7 @@ def test_server_killed_and_restarted_mid_epoch(tmp_path: Path) -> None:
                     for pipe in (first.stdout, first.stderr):
                         if pipe is not None:
                             pipe.close()
-                    time.sleep(0.5)
+                    assert wait_until(lambda: port_free(port), 30)  # its listener is gone
                     second, _ = serve_process(*flags)  # same port, same spec
             assert reconnects(loader) >= 1
         assert_same(got, expected)

@@ -69,7 +69,7 @@ def test_killed_workers_are_replaced_and_nothing_is_lost(serve_loaders: ServeLoa
             assert got == list(range(40))  # every batch once, in order, no error
         # A death after the epoch's last task is noticed when the next epoch polls.
         assert values(loader) == list(range(40))
-    assert served.hosts["slow"]._persistent is pool  # the same pool, its workers replaced
+    assert served.hosts["slow"].persistent_pool is pool  # the same pool, its workers replaced
     assert pool.restarts == kills == 20
 
 

@@ -354,6 +354,6 @@ def test_slots_go_back_to_the_workers_when_a_client_stops_mid_epoch(
                 next(it)
     with RemoteLoader(served.address, device="cpu") as loader:
         assert_same(list(loader), expected(sizes))
-    pool: Any = served.hosts["sizes"]._persistent
+    pool: Any = served.hosts["sizes"].persistent_pool
     # At most its tasks in flight (2), a stream's leases (4) and the lane's window of batches.
     assert len(pool._slots._views) <= 8, len(pool._slots._views)
