@@ -1,4 +1,7 @@
-"""Fixtures: real servers on port 0 (in this process, or as `remote-loader serve` processes)."""
+"""Fixtures: real servers on port 0 (in this process), and those several test modules share; hooks:
+the `unit`/`integration` mark by folder and Ray's files kept in a folder of the session's.
+
+Plain helpers (servers as processes, waits, comparisons, clusters) are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -73,6 +76,108 @@ def start_server(serve_loaders: ServeLoaders) -> StartServer:
         return serve_loaders(*specs, **kwargs).address
 
     return start
+
+
+# --- Fixtures that more than one test module uses ---------------------------------------------
+
+
+@pytest.fixture
+def no_ring_left_behind() -> Iterator[None]:
+    """Fails the test if it leaves a ring or a doorbell in /dev/shm (modules of the shared-memory
+    transport use it for every test: `pytestmark = pytest.mark.usefixtures(...)`)."""
+    before = left_in_dev_shm()
+    yield
+    assert wait_until(lambda: not left_in_dev_shm() - before, 5.0), left_in_dev_shm() - before
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    out = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue_certificate("remote-loader test CA", ca_key, None)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = issue_certificate(
+        "localhost",
+        server_key,
+        (ca.subject, ca_key),
+        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+    )
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = issue_certificate(
+        "trainer-0", client_key, (ca.subject, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    write_pem(out / "ca.pem", ca, None)
+    write_pem(out / "server.pem", server, server_key)
+    write_pem(out / "client.pem", client, client_key)
+    return PKI(
+        out / "ca.pem",
+        out / "server.pem",
+        out / "server.key",
+        out / "client.pem",
+        out / "client.key",
+    )
+
+
+@pytest.fixture
+def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+    """The client's sockets that data arrived on (by fileno), through tcp.recv_into."""
+    real: Callable[..., bool] = tcp.recv_into
+    used: set[int] = set()
+    lock = threading.Lock()
+
+    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
+        if len(out):
+            with lock:
+                used.add(sock.fileno())
+        return real(sock, out, *args)
+
+    monkeypatch.setattr(tcp, "recv_into", spy)
+    yield used
+
+
+@pytest.fixture
+def fresh_types(monkeypatch: pytest.MonkeyPatch) -> decoding._Types:
+    """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
+    types = decoding._Types()
+    monkeypatch.setattr(decoding, "_TYPES", types)
+    return types
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder of this test's own (REMOTE_LOADER_CACHE), where the session's is shared."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("REMOTE_LOADER_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def job_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No job variables: each test sets its own."""
+    for name in JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
+    [ Copying a batch in ]); a pool of its own, shut down after."""
+    monkeypatch.setattr(assembly, "COPY_THREADS", 3)
+    monkeypatch.setattr(assembly, "_copy_pool", None)
+    yield
+    if assembly._copy_pool is not None:
+        assembly._copy_pool[1].shutdown()
+
+
+@pytest.fixture
+def no_token_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; tests set it themselves.
+    monkeypatch.delenv("REMOTE_LOADER_TOKEN", raising=False)
+
+
+# --- Hooks: options, marks by folder, Ray's files ------------------------------------------------
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -179,99 +284,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             red=True,
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-@pytest.fixture
-def no_ring_left_behind() -> Iterator[None]:
-    """Fails the test if it leaves a ring or a doorbell in /dev/shm (modules of the shared-memory
-    transport use it for every test: `pytestmark = pytest.mark.usefixtures(...)`)."""
-    before = left_in_dev_shm()
-    yield
-    assert wait_until(lambda: not left_in_dev_shm() - before, 5.0), left_in_dev_shm() - before
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    out = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = issue_certificate("remote-loader test CA", ca_key, None)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = issue_certificate(
-        "localhost",
-        server_key,
-        (ca.subject, ca_key),
-        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-    )
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client = issue_certificate(
-        "trainer-0", client_key, (ca.subject, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH
-    )
-    write_pem(out / "ca.pem", ca, None)
-    write_pem(out / "server.pem", server, server_key)
-    write_pem(out / "client.pem", client, client_key)
-    return PKI(
-        out / "ca.pem",
-        out / "server.pem",
-        out / "server.key",
-        out / "client.pem",
-        out / "client.key",
-    )
-
-
-@pytest.fixture
-def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
-    """The client's sockets that data arrived on (by fileno), through tcp.recv_into."""
-    real: Callable[..., bool] = tcp.recv_into
-    used: set[int] = set()
-    lock = threading.Lock()
-
-    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
-        if len(out):
-            with lock:
-                used.add(sock.fileno())
-        return real(sock, out, *args)
-
-    monkeypatch.setattr(tcp, "recv_into", spy)
-    yield used
-
-
-@pytest.fixture
-def fresh_types(monkeypatch: pytest.MonkeyPatch) -> decoding._Types:
-    """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
-    types = decoding._Types()
-    monkeypatch.setattr(decoding, "_TYPES", types)
-    return types
-
-
-@pytest.fixture
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache folder of this test's own (REMOTE_LOADER_CACHE), where the session's is shared."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("REMOTE_LOADER_CACHE", str(cache))
-    return cache
-
-
-@pytest.fixture
-def job_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No job variables: each test sets its own."""
-    for name in JOB_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
-@pytest.fixture
-def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
-    [ Copying a batch in ]); a pool of its own, shut down after."""
-    monkeypatch.setattr(assembly, "COPY_THREADS", 3)
-    monkeypatch.setattr(assembly, "_copy_pool", None)
-    yield
-    if assembly._copy_pool is not None:
-        assembly._copy_pool[1].shutdown()
-
-
-@pytest.fixture
-def no_token_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; tests set it themselves.
-    monkeypatch.delenv("REMOTE_LOADER_TOKEN", raising=False)

@@ -1,7 +1,10 @@
-"""What more than one test module uses: servers as processes, waits, comparisons, clusters.
+"""What more than one test module uses, once: servers as processes and the waits on them, exact
+comparisons and torch's reference batches, shared specs, logs and metrics, pools, sharing, shared
+memory, cut connections, Ray clusters on this host, certificates (one section each, in that order).
 
 Fixtures live in tests/conftest.py; this module holds plain functions, classes and constants,
-imported by name (`from tests.helpers import wait_until`).
+imported by name (`from tests.helpers import wait_until`). Worker processes never import it: the
+datasets that specs name by import string are in tests/datasets.py and its siblings.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.sharing.host import LoaderHost
 from tests.datasets import Squares
 
+# --- Servers, processes and waits -----------------------------------------------------------------
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -121,6 +127,17 @@ def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, A
     return channel, call
 
 
+def health_status(target: str | grpc.Channel) -> int:
+    """The server's overall gRPC health (`target`: its address, or a channel to it)."""
+    if isinstance(target, str):
+        with grpc.insecure_channel(target) as channel:
+            return health_status(channel)
+    reply = health_pb2_grpc.HealthStub(target).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10
+    )
+    return int(reply.status)
+
+
 def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     """Polls `condition` every 20 ms for up to `seconds`; whether it became true."""
     deadline = time.monotonic() + seconds
@@ -131,6 +148,11 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
+def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    """`wait_until`, failing the test with `what` named if `condition` stays false."""
+    assert wait_until(condition, seconds), f"timed out waiting for {what}"
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie has exited; it only waits to be reaped)."""
     try:
@@ -139,6 +161,73 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below `pid`, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port` now (SO_REUSEADDR, as gRPC binds: a
+    connection of a dead server's in TIME_WAIT does not count, a listener does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+        return True
+
+
+def data_sockets(port: int) -> int:
+    """This process's open TCP sockets on `port`'s data connections, the server's ends (local
+    port `port`, not the listener) and the client's (remote port `port`)."""
+    ports: dict[str, bool] = {}  # inode: a connection on `port`
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+                on_port = int(local.rsplit(":", 1)[1], 16) == port or (
+                    int(remote.rsplit(":", 1)[1], 16) == port
+                )
+                ports[inode] = on_port and state != "0A"  # 0A: LISTEN
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:[") and ports.get(target[8:-1], False):
+            count += 1
+    return count
+
+
+# --- Batches: exact comparisons and torch's own reference -----------------------------------------
 
 
 def assert_same(a: Any, b: Any, path: str = "batch") -> None:
@@ -301,6 +390,24 @@ def roundtrip(obj: object) -> Any:
     return codec.decode(header, blob[start:])
 
 
+def packed(enforce_sorted: bool) -> tuple[PackedSequence, torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([5, 3, 2]) if enforce_sorted else torch.tensor([2, 5, 3])
+    padded = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    for row, length in enumerate(lengths.tolist()):
+        padded[row, length:] = 0
+    sequence = pack_padded_sequence(
+        padded, lengths, batch_first=True, enforce_sorted=enforce_sorted
+    )
+    return sequence, padded, lengths
+
+
+# torch's `where` for a worker's exception (ExceptionWrapper), which the server's workers say too.
+WORKER_0 = "in DataLoader worker process 0"
+
+
+# --- Specs several modules serve ------------------------------------------------------------------
+
+
 SQUARES = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4)
 
 
@@ -311,6 +418,53 @@ SLOW = LoaderSpec(
     dataset_kwargs={"n": 40, "seconds": 0.25},
     batch_size=1,
 )
+
+
+# Samples that take a few ms each, so the server is still producing when a connection breaks
+# (batches made ahead and buffered by gRPC would make the break harmless).
+SLOW_SAMPLES: dict[str, Any] = {
+    "dataset": "tests.datasets:Slow",
+    "dataset_kwargs": {"n": 120, "seconds": 0.01},
+}
+
+
+LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
+
+
+def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
+    return LoaderSpec(
+        name="sizes",
+        dataset="tests.datasets:Sizes",
+        dataset_kwargs={"sizes": sizes},
+        batch_size=None,
+        num_workers=num_workers,
+        **options,
+    )
+
+
+def serve_sizes(sizes: list[int], num_workers: int, *flags: str) -> tuple[Any, str]:
+    """`remote-loader serve` of the Sizes dataset (one batch per size) plus `flags`."""
+    return serve_process(
+        "--dataset",
+        "tests.datasets:Sizes",
+        "--dataset-kwargs",
+        json.dumps({"sizes": sizes}),
+        "--batch-size",
+        "none",
+        "--num-workers",
+        str(num_workers),
+        *flags,
+    )
+
+
+def expected(sizes: list[int]) -> list[torch.Tensor]:
+    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
+
+
+MiB = tcp.MIN_STRIPE
+
+
+# --- Logs and metrics -----------------------------------------------------------------------------
 
 
 def log_lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list[str]:
@@ -352,6 +506,16 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
+# --- Pools and their workers ----------------------------------------------------------------------
+
+
+def persistent_pool(server: Server | Served, name: str) -> WorkerPool:
+    """The local worker pool loader `name` keeps across epochs."""
+    pool = server.hosts[name].persistent_pool
+    assert isinstance(pool, WorkerPool)
+    return pool
+
+
 def kill_a_worker(pool: WorkerPool) -> None:
     """SIGKILL the process that read the loader's latest sample: a worker process of the local
     pool, a Ray actor's process (on this host: the cluster's nodes run here)."""
@@ -362,6 +526,177 @@ def kill_a_worker(pool: WorkerPool) -> None:
         pid = host_pid(pid)  # an actor's own pid namespace named it
     assert pid != os.getpid()
     os.kill(pid, signal.SIGKILL)
+
+
+def copiers() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("rl-copy")}
+
+
+JOB_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+)
+
+
+# --- Consumers sharing a loader -------------------------------------------------------------------
+
+
+SHARING_SEED, SHARING_EPOCH, SHARING_BATCH = 5, 1, 3
+
+
+def distributed(
+    n: int, world_size: int, rank: int, *, shuffle: bool, drop_last: bool = False, epoch: int = 0
+) -> list[int]:
+    """The sample indices torch's DistributedSampler (seed SHARING_SEED) gives rank `rank`."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Squares(n),
+        world_size,
+        rank,
+        shuffle=shuffle,
+        seed=SHARING_SEED,
+        drop_last=drop_last,
+    )
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def indices(batches: list[Any]) -> list[list[int]]:
+    return [b["index"].tolist() for b in batches]
+
+
+def run_concurrently(*consumers: Callable[[], Any], timeout: float = 60) -> list[Any]:
+    """Runs each callable in its own thread; returns their results, raising the first error."""
+    results: list[Any] = [None] * len(consumers)
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = consumers[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(consumers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[int]]]:
+    """A consumer that reads epoch SHARING_EPOCH and returns its batches' indices."""
+
+    def consume() -> list[list[int]]:
+        with RemoteLoader(address, name, seed=SHARING_SEED, **kwargs) as loader:
+            loader.set_epoch(SHARING_EPOCH)
+            got = indices(list(loader))
+            if kwargs.get("sharing", "partition") != "dynamic":
+                assert len(loader) == len(got)
+            return got
+
+    return consume
+
+
+def broadcast_spec(log: str, **kwargs: Any) -> LoaderSpec:
+    options: dict[str, Any] = {
+        "name": "counted",
+        "dataset": "tests.datasets:Counted",
+        "dataset_kwargs": {"log": log, "n": 60},
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": 2,
+        "broadcast_window": 3,
+    }
+    options.update(kwargs)
+    return LoaderSpec(**options)
+
+
+def local_epoch(n: int, batch_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(SHARING_SEED + SHARING_EPOCH)
+    return indices(list(DataLoader(Squares(n), batch_size, shuffle=True, generator=generator)))
+
+
+# --- Shared memory --------------------------------------------------------------------------------
+
+
+def rings() -> set[str]:
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.RING_PREFIX)}
+
+
+def left_in_dev_shm() -> set[str]:
+    """The rings in /dev/shm, and their doorbells (NOTE [ Doorbell ] in protos/doorbell.py)."""
+    prefixes = (shm.RING_PREFIX, doorbell.BELL_PREFIX)
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefixes)}
+
+
+# A tick so long that a wait which ends sooner was ended by the client's ring; a wait that polls
+# instead (no bell) looks at the cursor many times meanwhile.
+LONG_TICK = 30.0
+
+
+# --- Connections cut on purpose -------------------------------------------------------------------
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 whose `cut()` resets every connection passing through it."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._upstream)
+            with self._lock:
+                self._conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            # shutdown() first: it wakes the pump blocked in recv() on this socket (close()
+            # alone would not, and the pump could then read a new socket given the same fd).
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self.cuts += 1
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+# --- Ray clusters on this host --------------------------------------------------------------------
 
 
 LOOPBACK = "127.0.0.1"
@@ -491,246 +826,7 @@ def first_error(ray_address: str, spec: LoaderSpec) -> tuple[str, float]:
     return str(info.value), time.monotonic() - started
 
 
-def descendants(pid: int) -> set[int]:
-    """Every living process below `pid`, from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-class CuttingProxy:
-    """A TCP proxy on 127.0.0.1 whose `cut()` resets every connection passing through it."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self._upstream = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._upstream)
-            with self._lock:
-                self._conns += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            # shutdown() first: it wakes the pump blocked in recv() on this socket (close()
-            # alone would not, and the pump could then read a new socket given the same fd).
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        self.cuts += 1
-
-    def close(self) -> None:
-        self._listener.close()
-        self.cut()
-
-
-# Samples that take a few ms each, so the server is still producing when a connection breaks
-# (batches made ahead and buffered by gRPC would make the break harmless).
-SLOW_SAMPLES: dict[str, Any] = {
-    "dataset": "tests.datasets:Slow",
-    "dataset_kwargs": {"n": 120, "seconds": 0.01},
-}
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return int(s.getsockname()[1])
-
-
-def port_free(port: int) -> bool:
-    """Whether a server could listen on 127.0.0.1:`port` now (SO_REUSEADDR, as gRPC binds: a
-    connection of a dead server's in TIME_WAIT does not count, a listener does)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-        return True
-
-
-SHARING_SEED, SHARING_EPOCH, SHARING_BATCH = 5, 1, 3
-
-
-def distributed(
-    n: int, world_size: int, rank: int, *, shuffle: bool, drop_last: bool = False, epoch: int = 0
-) -> list[int]:
-    """The sample indices torch's DistributedSampler (seed SHARING_SEED) gives rank `rank`."""
-    sampler: DistributedSampler[int] = DistributedSampler(
-        Squares(n),
-        world_size,
-        rank,
-        shuffle=shuffle,
-        seed=SHARING_SEED,
-        drop_last=drop_last,
-    )
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def indices(batches: list[Any]) -> list[list[int]]:
-    return [b["index"].tolist() for b in batches]
-
-
-def run_concurrently(*consumers: Callable[[], Any], timeout: float = 60) -> list[Any]:
-    """Runs each callable in its own thread; returns their results, raising the first error."""
-    results: list[Any] = [None] * len(consumers)
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            results[i] = consumers[i]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(consumers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
-    if errors:
-        raise errors[0]
-    return results
-
-
-def epoch_of(address: str, name: str, **kwargs: Any) -> Callable[[], list[list[int]]]:
-    """A consumer that reads epoch SHARING_EPOCH and returns its batches' indices."""
-
-    def consume() -> list[list[int]]:
-        with RemoteLoader(address, name, seed=SHARING_SEED, **kwargs) as loader:
-            loader.set_epoch(SHARING_EPOCH)
-            got = indices(list(loader))
-            if kwargs.get("sharing", "partition") != "dynamic":
-                assert len(loader) == len(got)
-            return got
-
-    return consume
-
-
-def broadcast_spec(log: str, **kwargs: Any) -> LoaderSpec:
-    options: dict[str, Any] = {
-        "name": "counted",
-        "dataset": "tests.datasets:Counted",
-        "dataset_kwargs": {"log": log, "n": 60},
-        "batch_size": 4,
-        "shuffle": True,
-        "num_workers": 2,
-        "broadcast_window": 3,
-    }
-    options.update(kwargs)
-    return LoaderSpec(**options)
-
-
-def local_epoch(n: int, batch_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(SHARING_SEED + SHARING_EPOCH)
-    return indices(list(DataLoader(Squares(n), batch_size, shuffle=True, generator=generator)))
-
-
-def rings() -> set[str]:
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.RING_PREFIX)}
-
-
-def left_in_dev_shm() -> set[str]:
-    """The rings in /dev/shm, and their doorbells (NOTE [ Doorbell ] in protos/doorbell.py)."""
-    prefixes = (shm.RING_PREFIX, doorbell.BELL_PREFIX)
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefixes)}
-
-
-def sizes_spec(sizes: list[int], num_workers: int = 2, **options: Any) -> LoaderSpec:
-    return LoaderSpec(
-        name="sizes",
-        dataset="tests.datasets:Sizes",
-        dataset_kwargs={"sizes": sizes},
-        batch_size=None,
-        num_workers=num_workers,
-        **options,
-    )
-
-
-def serve_sizes(sizes: list[int], num_workers: int, *flags: str) -> tuple[Any, str]:
-    """`remote-loader serve` of the Sizes dataset (one batch per size) plus `flags`."""
-    return serve_process(
-        "--dataset",
-        "tests.datasets:Sizes",
-        "--dataset-kwargs",
-        json.dumps({"sizes": sizes}),
-        "--batch-size",
-        "none",
-        "--num-workers",
-        str(num_workers),
-        *flags,
-    )
-
-
-def expected(sizes: list[int]) -> list[torch.Tensor]:
-    return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
-
-
-def data_sockets(port: int) -> int:
-    """This process's open TCP sockets on `port`'s data connections, the server's ends (local
-    port `port`, not the listener) and the client's (remote port `port`)."""
-    ports: dict[str, bool] = {}  # inode: a connection on `port`
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-                on_port = int(local.rsplit(":", 1)[1], 16) == port or (
-                    int(remote.rsplit(":", 1)[1], 16) == port
-                )
-                ports[inode] = on_port and state != "0A"  # 0A: LISTEN
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("socket:[") and ports.get(target[8:-1], False):
-            count += 1
-    return count
+# --- Tokens and certificates ----------------------------------------------------------------------
 
 
 TOKEN = "s3cret-Token_0123456789"
@@ -807,56 +903,7 @@ def write_pem(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKe
         )
 
 
-def persistent_pool(server: Server | Served, name: str) -> WorkerPool:
-    """The local worker pool loader `name` keeps across epochs."""
-    pool = server.hosts[name].persistent_pool
-    assert isinstance(pool, WorkerPool)
-    return pool
-
-
-def health_status(target: str | grpc.Channel) -> int:
-    """The server's overall gRPC health (`target`: its address, or a channel to it)."""
-    if isinstance(target, str):
-        with grpc.insecure_channel(target) as channel:
-            return health_status(channel)
-    reply = health_pb2_grpc.HealthStub(target).Check(
-        health_pb2.HealthCheckRequest(service=""), timeout=10
-    )
-    return int(reply.status)
-
-
-def packed(enforce_sorted: bool) -> tuple[PackedSequence, torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([5, 3, 2]) if enforce_sorted else torch.tensor([2, 5, 3])
-    padded = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
-    for row, length in enumerate(lengths.tolist()):
-        padded[row, length:] = 0
-    sequence = pack_padded_sequence(
-        padded, lengths, batch_first=True, enforce_sorted=enforce_sorted
-    )
-    return sequence, padded, lengths
-
-
-def _files(folder: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(folder)): path.read_bytes()
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
-
-
-# A tick so long that a wait which ends sooner was ended by the client's ring; a wait that polls
-# instead (no bell) looks at the cursor many times meanwhile.
-LONG_TICK = 30.0
-
-
-JOB_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-)
+# --- Errors, datasets, the unit guard -------------------------------------------------------------
 
 
 def _server_classes() -> list[type[server_errors.CallFailed]]:
@@ -872,18 +919,12 @@ def _server_classes() -> list[type[server_errors.CallFailed]]:
 SERVER_CLASSES = _server_classes()
 
 
-LOADER = '[loaders.a]\ndataset = "tests.datasets:Squares"\n'
-
-
-def copiers() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("rl-copy")}
-
-
-MiB = tcp.MIN_STRIPE
-
-
-# torch's `where` for a worker's exception (ExceptionWrapper), which the server's workers say too.
-WORKER_0 = "in DataLoader worker process 0"
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
 
 
 UNIT_MARKER_INI = "[pytest]\nmarkers =\n    unit: no server, no process, no Ray\n"

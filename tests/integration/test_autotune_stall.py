@@ -14,8 +14,8 @@ import pytest
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine import autotune
 from remote_loader.server.engine.pool import WorkerPool
-from tests.helpers import ServeLoaders
-from tests.stalls import Trainer, wait_for
+from tests.helpers import ServeLoaders, wait_for
+from tests.stalls import Trainer
 
 
 @pytest.mark.timeout(120)

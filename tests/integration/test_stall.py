@@ -21,17 +21,8 @@ from remote_loader.protos import stall
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
-from tests.stalls import (
-    Trainer,
-    consumers_of,
-    fast_spec,
-    gauge,
-    report,
-    scrape,
-    stalled_spec,
-    status,
-    wait_for,
-)
+from tests.helpers import scrape, value, wait_for
+from tests.stalls import Trainer, consumers_of, fast_spec, report, stalled_spec, status
 
 CONSUMER = {"job": "default", "sharing": "partition", "rank": "0"}
 
@@ -61,10 +52,10 @@ def test_a_trainer_waiting_on_one_slow_worker_stalls_on_the_workers(served: Serv
             "a report",
         )
         samples = scrape(served.metrics_port)
-        stalled = gauge(samples, "remote_loader_consumer_stall", loader="stalled", **CONSUMER)
+        stalled = value(samples, "remote_loader_consumer_stall", loader="stalled", **CONSUMER)
         assert stalled is not None and stalled > 0.5
         by_stage = {
-            stage: gauge(
+            stage: value(
                 samples,
                 "remote_loader_consumer_stall_by_stage",
                 loader="stalled",
@@ -75,9 +66,9 @@ def test_a_trainer_waiting_on_one_slow_worker_stalls_on_the_workers(served: Serv
             for stage in stall.STAGES
         }
         assert max(by_stage, key=by_stage.__getitem__) == "workers", by_stage
-        ready = gauge(samples, "remote_loader_consumer_ready_batches", loader="stalled", **CONSUMER)
+        ready = value(samples, "remote_loader_consumer_ready_batches", loader="stalled", **CONSUMER)
         assert ready is not None and ready <= 1  # nothing waits ahead of a stalled trainer
-        busy = gauge(samples, "remote_loader_worker_busy_seconds_total", loader="stalled")
+        busy = value(samples, "remote_loader_worker_busy_seconds_total", loader="stalled")
         assert busy is not None and busy > 1.0
         (seen,) = consumers_of(status(served.address), "stalled")
         assert seen.reported and seen.attached and seen.stage == "workers"
@@ -102,7 +93,7 @@ def test_a_trainer_whose_workers_keep_up_hardly_stalls(served: Server) -> None:
 
         def reported() -> float | None:
             samples = scrape(port)
-            return gauge(samples, "remote_loader_consumer_stall", loader="fast", **CONSUMER)
+            return value(samples, "remote_loader_consumer_stall", loader="fast", **CONSUMER)
 
         wait_for(lambda: (reported() or 1.0) < 0.05, 5, "the report on /metrics")
         (seen,) = consumers_of(status(served.address), "fast")

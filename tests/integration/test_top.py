@@ -23,8 +23,8 @@ import pytest
 from remote_loader.client import TLS
 from remote_loader.server.api.server import Server
 from tests import stalls
-from tests.helpers import PKI, TOKEN, ServeLoaders, subprocess_env
-from tests.stalls import gauge, scrape, stalled_spec
+from tests.helpers import PKI, TOKEN, ServeLoaders, scrape, subprocess_env, value, wait_for
+from tests.stalls import stalled_spec
 
 TOP = [sys.executable, "-m", "remote_loader.server.cli.main", "top"]
 # A trainer's line: job, rank/world, sharing, epoch, stall, stage.
@@ -60,7 +60,7 @@ def test_once_prints_each_trainers_stall_as_metrics_has_it(stalled_job: Server) 
     for rank, (percent, stage) in shown.items():
         assert percent > 50 and stage == "workers", result.stdout
         labels = {"job": "train", "sharing": "partition", "rank": str(rank)}
-        metric = gauge(samples, "remote_loader_consumer_stall", loader="stalled", **labels)
+        metric = value(samples, "remote_loader_consumer_stall", loader="stalled", **labels)
         assert metric is not None and metric > 0.5
         assert abs(100 * metric - percent) < 20  # a few seconds apart, the same trainer
     assert "loader stalled  local  1 workers" in result.stdout
@@ -151,7 +151,7 @@ def test_top_reaches_a_server_over_mutual_tls_with_the_trainers_token(
 
     with stalls.Trainer(served.address, "stalled", token=TOKEN, tls=mutual, job="train"):
         # The trainer's reports go over the same channel: TLS and token.
-        stalls.wait_for(lambda: "%" in top({"REMOTE_LOADER_TOKEN": TOKEN}).stdout, 30, "a report")
+        wait_for(lambda: "%" in top({"REMOTE_LOADER_TOKEN": TOKEN}).stdout, 30, "a report")
         shown = top({"REMOTE_LOADER_TOKEN": TOKEN})
         refused = top({"REMOTE_LOADER_TOKEN": ""})
     assert shown.returncode == 0, shown.stderr
