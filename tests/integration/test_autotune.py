@@ -1,6 +1,6 @@
-"""num_workers = "auto": the tuner's decisions on their own (a fake clock and host), and a real
-pool growing while its workers cannot keep up and shrinking while its consumer is slow, its
-batches the same as a fixed pool's (NOTE [ Worker autotuning ] in server/engine/autotune.py).
+"""num_workers = "auto" on a real pool (NOTE [ Worker autotuning ] in server/engine/autotune.py):
+it grows while its workers cannot keep up and shrinks while its consumer is slow, its batches
+the same as a fixed pool's.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_autotune.py.
 """

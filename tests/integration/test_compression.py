@@ -1,5 +1,4 @@
-"""Per-tensor compression (NOTE [ Compression ] in protos/compression.py): the codec's leaves,
-the compressor turning itself off for data that does not shrink, and real servers whose
+"""Per-tensor compression (NOTE [ Compression ] in protos/compression.py) on real servers whose
 workers compress what a stream asks for.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_compression.py.

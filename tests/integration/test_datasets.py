@@ -1,5 +1,5 @@
-"""Tests for the demo dataset: the demo folder generated once and atomically, and ImageFolder.
-Every test points REMOTE_LOADER_CACHE at a temporary folder, so none touches the home directory.
+"""The demo folder made by three processes at once: one of them makes it, atomically, and all
+three get its path.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_datasets.py.
 """

@@ -1,8 +1,6 @@
-"""The same-host shared-memory transport (NOTE [ Shared-memory transport ] in protos/shm.py).
-
-Unit tests of the probe and the ring, then real servers: the negotiation, fallbacks to gRPC
-Frames (a batch too big, no room in /dev/shm, a ring the client cannot open), and release of
-the shared memory when either side goes away.
+"""The same-host shared-memory transport (NOTE [ Shared-memory transport ] in protos/shm.py) on
+real servers: the negotiation, fallbacks to gRPC Frames (a batch too big, no room in /dev/shm, a
+ring the client cannot open), and release of the shared memory when either side goes away.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_shm.py.
 """

@@ -1,7 +1,7 @@
 """Is the GPU waiting? A trainer's stall over its last seconds and the stage holding it (NOTE
-[ Stall stages ] in protos/stall.py): the window and the stamp on their own, then real servers
-and trainers: a pipeline made to stall on its workers, one that keeps up, the same figures on
-/metrics and from the Status RPC, the reports' bounds, and an older server.
+[ Stall stages ] in protos/stall.py), on real servers and trainers: a pipeline made to stall on
+its workers, one that keeps up, the same figures on /metrics and from the Status RPC, the
+reports' bounds, and an older server.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_stall.py.
 """

@@ -1,9 +1,7 @@
-"""Several data connections per stream (NOTE [ TCP data connection ]: striping).
-
-How a batch is cut (`tcp.stripes`) and filled in place (`Assembly.fill_range`), then real
-servers on port 0: exact batches on 1, 2 and 4 connections around MIN_STRIPE, the server's cap
-and its fallback when only some connections come, a connection cut mid-stripe (resumed, no
-batch lost or repeated), a stream stopped mid-stripe, and no socket or thread left behind.
+"""Several data connections per stream (NOTE [ TCP data connection ]: striping) on real servers on
+port 0: exact batches on 1, 2 and 4 connections around MIN_STRIPE, the server's cap and its
+fallback when only some connections come, a connection cut mid-stripe (resumed, no batch lost
+or repeated), a stream stopped mid-stripe, and no socket or thread left behind.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_striping.py.
 """

@@ -1,10 +1,6 @@
-"""The `unit` mark's guard (tests/unit_guard.py): a test marked `unit` that starts a server, a
-process or Ray fails, saying so and naming the mark, whether it starts it in its body or in a
-fixture of a wider scope; the guard puts back what it replaced.
-
-An inner pytest session in this process (pytester) runs a small test file with the guard as its
-plugin. Nothing is started: the guard refuses every start, and the inner tests clean up after
-themselves should it ever let one through.
+"""The `unit` mark's guard (tests/unit_guard.py) leaves a test without the mark alone: nothing it
+may call is replaced. An inner pytest session in this process (pytester) runs a small test file
+with the guard as its plugin.
 
 The unit tests (no server, no process, no Ray): tests/unit/test_unit_guard.py.
 """

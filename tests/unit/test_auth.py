@@ -1,5 +1,5 @@
-"""Who may call a server: the bearer token (checked before any handler runs), the open health
-service, reflection, TLS and mutual TLS, over real gRPC with certificates made here.
+"""TLS options without a server: the client checks its TLS arguments, and the server's
+settings read and check the certificate files (made by the `pki` fixture, tests/conftest.py).
 
 The tests that start a server, a process or Ray: tests/integration/test_auth.py.
 """

@@ -1,6 +1,6 @@
-"""num_workers = "auto": the tuner's decisions on their own (a fake clock and host), and a real
-pool growing while its workers cannot keep up and shrinking while its consumer is slow, its
-batches the same as a fixed pool's (NOTE [ Worker autotuning ] in server/engine/autotune.py).
+"""num_workers = "auto": the tuner's decisions on their own, with a fake clock and host (NOTE
+[ Worker autotuning ] in server/engine/autotune.py): one more worker while they are busy on a
+host with idle CPU, none past its caps, prefetch before workers, one fewer while they idle.
 
 The tests that start a server, a process or Ray: tests/integration/test_autotune.py.
 """

@@ -1,6 +1,6 @@
-"""num_workers = "auto" reads the trainers' stall (NOTE [ Worker autotuning ]): a worker is added
-while a trainer waits on the workers and the host has CPU to spare, and none while the trainers
-report that they do not wait, however busy the workers; without reports, the busy rule.
+"""num_workers = "auto" reads the trainers' stall (NOTE [ Worker autotuning ]), the tuner on its
+own: a worker is added while a trainer waits on the workers and the host has CPU to spare, and
+none while the trainers report that they do not wait, however busy the workers.
 
 The tests that start a server, a process or Ray: tests/integration/test_autotune_stall.py.
 """

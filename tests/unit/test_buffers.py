@@ -1,6 +1,6 @@
-"""Reused buffers (NOTE [ Reused buffers ] in protos/buffers.py): a buffer is handed out again
-only when nothing holds its storage, the pool stays bounded, and neither a training loop that
-keeps its batches nor a collate_fn that keeps its output ever sees one written over.
+"""Reused buffers (NOTE [ Reused buffers ] in protos/buffers.py), the pool on its own: a buffer
+is handed out again only when nothing holds its storage, the pool stays bounded, and small
+buffers are left to the allocator.
 
 The tests that start a server, a process or Ray: tests/integration/test_buffers.py.
 """

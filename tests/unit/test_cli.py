@@ -1,4 +1,5 @@
-"""`remote-loader serve` and `demo` as processes, as a user runs them.
+"""`remote-loader` progress output as the CLI writes it, without running a command: plain lines
+into a pipe, a line every interval.
 
 The tests that start a server, a process or Ray: tests/integration/test_cli.py.
 """

@@ -1,4 +1,4 @@
-"""Client-side behaviour that needs no GPU: arguments, CPU fallback, closing, timeouts.
+"""Client arguments checked before any connection is made.
 
 The tests that start a server, a process or Ray: tests/integration/test_client.py.
 """

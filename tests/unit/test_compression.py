@@ -1,6 +1,6 @@
-"""Per-tensor compression (NOTE [ Compression ] in protos/compression.py): the codec's leaves,
-the compressor turning itself off for data that does not shrink, and real servers whose
-workers compress what a stream asks for.
+"""Per-tensor compression (NOTE [ Compression ] in protos/compression.py) without a server: the
+codec's leaves, the compressor turning itself off for data that does not shrink and keeping
+what it learned across epochs, damaged leaves and unknown codecs refused.
 
 The tests that start a server, a process or Ray: tests/integration/test_compression.py.
 """

@@ -1,5 +1,6 @@
-"""Tests for the demo dataset: the demo folder generated once and atomically, and ImageFolder.
-Every test points REMOTE_LOADER_CACHE at a temporary folder, so none touches the home directory.
+"""The demo dataset without a server: the demo folder generated once and atomically, and
+ImageFolder. Every test points REMOTE_LOADER_CACHE at a folder of its own (`own_cache`), so none
+touches the home directory.
 
 The tests that start a server, a process or Ray: tests/integration/test_datasets.py.
 """

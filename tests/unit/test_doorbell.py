@@ -1,6 +1,6 @@
-"""A ring's doorbell (NOTE [ Doorbell ] in protos/doorbell.py): a server waiting for the client
-sleeps until the client releases, falls back to polling when there is no bell, and leaves no
-name behind in /dev/shm.
+"""A ring's doorbell (NOTE [ Doorbell ] in protos/doorbell.py) between a writer and a reader in
+this process: a server waiting for the client sleeps until the client releases, falls back to
+polling when there is no bell, and leaves no name behind in /dev/shm.
 
 The tests that start a server, a process or Ray: tests/integration/test_doorbell.py.
 """

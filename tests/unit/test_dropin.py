@@ -1,8 +1,6 @@
 """A RemoteLoader in a trainer's place of a DataLoader (DESIGN.md, "Same data as DataLoader"),
-each part against torch's own DataLoader where torch has one: the epoch is the one the user or
-framework says, an iterator never read from uses none; the rank comes from the job, never a
-silent 0; the attributes scripts read are there and true; a batch's exception is raised as its
-own type with torch's message; torch's warnings are given in the trainer.
+the parts that need no server: the epoch cursor, the rank from the job's environment, and a
+batch's exception raised as its own type with torch's message.
 
 The tests that start a server, a process or Ray: tests/integration/test_dropin.py.
 """

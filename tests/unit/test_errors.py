@@ -1,11 +1,6 @@
-"""Errors keep their kind on the wire (NOTE [ Error reasons ], protos/reasons.py): each error
-the server ends a call with carries its reason code, and the client raises the exception the
-reason names; without a reason (an older server) the status code decides, as before.
-
-The table both ways: every server error class has a reason of its own, every reason a client
-exception (unit tests); and over real gRPC, each kind raised on a real server (the real
-situation where one is practical: an unknown loader, a broken loader, a changed spec, a full
-server, a request too large, ...) reaches the client as its own exception.
+"""Errors keep their kind on the wire (NOTE [ Error reasons ], protos/reasons.py): the table both
+ways, every server error class with a reason of its own and every reason with a client
+exception.
 
 The tests that start a server, a process or Ray: tests/integration/test_errors.py.
 """

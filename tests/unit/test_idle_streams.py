@@ -1,5 +1,5 @@
-"""Streams whose clients read nothing give their places to new streams at a full server, and
-keep them while it has room (NOTE [ Idle streams ] in server/api/admission.py), over real gRPC.
+"""idle_stream_timeout (NOTE [ Idle streams ] in server/api/admission.py) as a setting of
+seconds.
 
 The tests that start a server, a process or Ray: tests/integration/test_idle_streams.py.
 """

@@ -1,5 +1,5 @@
-"""A loader's length: a map-style dataset whose __len__ raises (or that has none) is refused
-at start-up and by check-config with its own words, never taken for an IterableDataset.
+"""A loader's length: a map-style dataset without __len__ needs a sampler, said in the spec's
+own words.
 
 The tests that start a server, a process or Ray: tests/integration/test_lengths.py.
 """

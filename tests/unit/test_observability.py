@@ -1,6 +1,4 @@
-"""What the server tells its operator, over real gRPC: metrics stay bounded whatever job names
-clients choose, every dataset error is logged once and counted on its streams' end lines, and
-the worker gauges exist from start-up.
+"""metrics_max_consumers, the bound on the consumers the metrics name, as a setting.
 
 The tests that start a server, a process or Ray: tests/integration/test_observability.py.
 """

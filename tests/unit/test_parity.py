@@ -1,7 +1,4 @@
-"""RemoteLoader yields what torch's DataLoader yields for the same dataset, options and seed.
-
-The reference is `DataLoader(..., generator=torch.Generator().manual_seed(seed + epoch))`, the
-convention of DistributedSampler; random augmentations inside __getitem__ included.
+"""collate_tensors keeps torch's own errors for batches it cannot collate.
 
 The tests that start a server, a process or Ray: tests/integration/test_parity.py.
 """

@@ -1,9 +1,5 @@
-"""The Ray pool backend on a real multi-node Ray cluster, simulated on this host.
-
-Every node is bound to 127.0.0.1 (this machine may use loopback only; Ray would otherwise pick
-the host's own address). One cluster serves the module: a head without CPUs (it holds no
-actor) and two worker nodes, so SPREAD puts the actors of a loader on both and a removed node
-takes some of them with it.
+"""The Ray pool's configuration, without a cluster: `pool = "ray"` checked in the spec, and the
+compose file's Ray config read as a Ray pool.
 
 The tests that start a server, a process or Ray: tests/integration/test_ray.py.
 """

@@ -1,7 +1,5 @@
-"""What README.md and docs/ tell a user to run works as written: the README's two commands at
-the top, the "Serving from Python" example of docs/serving.md as a saved script (and, without
-its `__main__` guard, an error that names the guard), the one-machine Ray recipe of docs/ray.md,
-and install commands that work from a clone of the repository.
+"""What README.md tells a user to run, read rather than run: the two commands at the top, and
+install commands that work from a clone of the repository.
 
 The tests that start a server, a process or Ray: tests/integration/test_readme.py.
 """

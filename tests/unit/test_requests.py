@@ -1,7 +1,5 @@
-"""Requests the server must refuse or bound cheaply: elastic resumes planned in one pass (held to
-the per-rank algorithm they replaced) and outside the lock other streams need, at most
-MAX_RESHARD_RANKS ranks; Describe's epoch checked as Stream's; undecodable requests in one log
-line; client-chosen names echoed short; probes of killed clients swept.
+"""Elastic resumes planned in one pass (NOTE [ Resharding ]): every rank's DistributedSampler
+share dealt out, and the linear plan held to the per-rank algorithm it replaced.
 
 The tests that start a server, a process or Ray: tests/integration/test_requests.py.
 """

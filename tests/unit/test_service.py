@@ -1,4 +1,4 @@
-"""The service over real gRPC: listing, describing, errors at their position, many streams.
+"""A RemoteLoader pointed at an address where no server listens fails at once, saying so.
 
 The tests that start a server, a process or Ray: tests/integration/test_service.py.
 """

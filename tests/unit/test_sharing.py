@@ -1,4 +1,4 @@
-"""Sharing one loader between consumers over real gRPC: partition, broadcast, dynamic.
+"""`share` splits a loader's samples as torch's DistributedSampler does.
 
 The tests that start a server, a process or Ray: tests/integration/test_sharing.py.
 """

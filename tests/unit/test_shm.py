@@ -1,8 +1,6 @@
-"""The same-host shared-memory transport (NOTE [ Shared-memory transport ] in protos/shm.py).
-
-Unit tests of the probe and the ring, then real servers: the negotiation, fallbacks to gRPC
-Frames (a batch too big, no room in /dev/shm, a ring the client cannot open), and release of
-the shared memory when either side goes away.
+"""The same-host shared-memory transport (NOTE [ Shared-memory transport ] in protos/shm.py)
+without a server: the probe, the ring and its bounds, ring sizes, no room in /dev/shm, a copy
+striped over threads, and who may open a ring.
 
 The tests that start a server, a process or Ray: tests/integration/test_shm.py.
 """

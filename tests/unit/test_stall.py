@@ -1,7 +1,6 @@
-"""Is the GPU waiting? A trainer's stall over its last seconds and the stage holding it (NOTE
-[ Stall stages ] in protos/stall.py): the window and the stamp on their own, then real servers
-and trainers: a pipeline made to stall on its workers, one that keeps up, the same figures on
-/metrics and from the Status RPC, the reports' bounds, and an older server.
+"""Is the GPU waiting? (NOTE [ Stall stages ] in protos/stall.py) The window and the stamp on
+their own: each wait split between its stages, the window sliding, a stamped frame parsed, the
+board bounded and reporters with the same labels shown as one.
 
 The tests that start a server, a process or Ray: tests/integration/test_stall.py.
 """

@@ -1,9 +1,6 @@
-"""Several data connections per stream (NOTE [ TCP data connection ]: striping).
-
-How a batch is cut (`tcp.stripes`) and filled in place (`Assembly.fill_range`), then real
-servers on port 0: exact batches on 1, 2 and 4 connections around MIN_STRIPE, the server's cap
-and its fallback when only some connections come, a connection cut mid-stripe (resumed, no
-batch lost or repeated), a stream stopped mid-stripe, and no socket or thread left behind.
+"""Several data connections per stream (NOTE [ TCP data connection ]: striping) without a server:
+how a batch is cut (`tcp.stripes`) and filled in place (`Assembly.fill_range`), a failed stripe
+stopping the others, and a count of connections out of range refused.
 
 The tests that start a server, a process or Ray: tests/integration/test_striping.py.
 """

@@ -1,8 +1,5 @@
-"""The TCP data connection (NOTE [ TCP data connection ] in protos/tcp.py).
-
-Real servers on port 0: the negotiation and its fallbacks (a server without a listener, a client
-that cannot connect, one that never connects), a connection that breaks mid-epoch (resumed, no
-batch lost or repeated), the listener's guard against stray connections, and a killed client.
+"""The TCP data connection (NOTE [ TCP data connection ] in protos/tcp.py) without a server: where
+the connection and the listener go, what recv_into says broke, and a send that stops when asked.
 
 The tests that start a server, a process or Ray: tests/integration/test_tcp.py.
 """

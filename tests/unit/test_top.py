@@ -1,7 +1,4 @@
-"""`remote-loader top` against a live server: `--once` prints each trainer's stall and the stage
-holding it, the figures /metrics shows; the live curses view, run under a pseudo-terminal
-(`script`), shows them too and leaves with 0 on q and on Ctrl-C; over mutual TLS it takes the
-trainers' flags and token.
+"""`remote-loader top`'s sparkline: the mean of each share, scaled to the top.
 
 The tests that start a server, a process or Ray: tests/integration/test_top.py.
 """

@@ -1,7 +1,6 @@
-"""The server's half of torch's DataLoader contract, each part against torch's own DataLoader
-in the same test: a worker's exception named by its class on the wire (a batch's error Frame,
-and a broken loader's trailer), in_order = false dispatching only to workers with room, the
-start methods torch accepts, and torch's warnings for a loader handed to trainers by Describe.
+"""The server's half of torch's DataLoader contract, the parts that need no worker process: its
+own errors named by their builtin class, dispatch only to workers with room, and a context
+object kept as its start method's name.
 
 The tests that start a server, a process or Ray: tests/integration/test_torch_contract.py.
 """

@@ -1,10 +1,6 @@
-"""Zero-copy slots (NOTE [ Zero-copy slots ] in protos/slots.py): a same-host client of the
-server's user and pid namespace reads each batch in the worker's slot; the server copies none.
-
-Unit tests of the generation seqlock and the client's slot maps, then real servers: the server
-never touches the ring's data, broadcast consumers read one slot, a slot rewritten under a copy
-is never delivered, and the ring is what a client in another pid namespace, a client that
-cannot open a slot, or a server with zero_copy = false gets.
+"""Zero-copy slots (NOTE [ Zero-copy slots ] in protos/slots.py) without a server: the generation
+seqlock tells a whole batch from a slot rewritten under a copy, and a slot map refuses a
+descriptor that is not the named file.
 
 The tests that start a server, a process or Ray: tests/integration/test_zero_copy.py.
 """
