@@ -27,7 +27,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -41,7 +41,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from ray.cluster_utils import Cluster
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torch.utils.data import (
     DataLoader,
@@ -72,6 +71,9 @@ from remote_loader.server.config.spec import (
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.sharing.host import LoaderHost
 from tests.datasets import Squares
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 # --- Servers, processes and waits -----------------------------------------------------------------
 
@@ -714,6 +716,10 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 def start_cluster(workers: int) -> Cluster:
     """A head without CPUs and `workers` nodes of one CPU, all on 127.0.0.1."""
+    # Imported here, not with the module: every test imports this one, and only the tests that
+    # start clusters need Ray (slow to import).
+    from ray.cluster_utils import Cluster
+
     for attempt in (1, 2):
         c: Cluster | None = None
         try:
