@@ -1,4 +1,5 @@
-"""Network namespaces on one bridge, for benchmarks/campaign.py: a small "cluster" of hosts.
+"""Network namespaces on one bridge, for benchmarks/campaign.py and benchmarks/cpuhost.py: a small
+"cluster" of hosts.
 
 Each node gets a namespace ("cmpTAG-NODE") with its own `lo` and a veth whose other end is
 enslaved to one bridge ("cmpTAGbr") in the root namespace, all on a /29 of benchmarks/netns.py's
@@ -24,12 +25,12 @@ from collections.abc import Sequence
 
 from benchmarks.netns import (
     BLOCK,
-    SHM_SIZE,
     NetnsError,
     _exists,
     _run,
     _taken_networks,
     check_prerequisites,
+    private_shm,
 )
 from benchmarks.processes import subprocess_env
 
@@ -37,9 +38,10 @@ from benchmarks.processes import subprocess_env
 class Topology:
     """A bridge, a namespace per node and their veths (module doc); close() removes them."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, nft: bool = True) -> None:
+        """`nft`: the nodes' firewalls will be set (`nft()`), so nftables must be there."""
         check_prerequisites(rate=None)
-        if shutil.which("nft") is None:
+        if nft and shutil.which("nft") is None:
             raise NetnsError("nft not found on PATH (apt-get install nftables)")
         if not 1 <= len(names) <= 6:
             raise ValueError(f"a /29 holds 1 to 6 nodes, got {len(names)}")
@@ -84,9 +86,7 @@ class Topology:
 
     def wrap(self, node: str, argv: Sequence[str]) -> list[str]:
         """`argv` inside `node`'s namespace with a private /dev/shm (as netns.Link.wrap)."""
-        script = f'mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec "$@"'
-        inside = ["ip", "netns", "exec", self.ns[node], "unshare", "-m"]
-        return [*inside, "sh", "-c", script, "sh", *argv]
+        return private_shm(self.ns[node], argv)
 
     def start(self, node: str, argv: Sequence[str]) -> subprocess.Popen[str]:
         """A process in `node`'s namespace, its own process group, stdout piped."""

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import gc
 import importlib.util
@@ -102,7 +101,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import ceilings, netns, report, tlsfiles  # noqa: E402
-from benchmarks.measure import Side, run_epoch, step_alone, touch, train_step  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    Side,
+    Workload,
+    run_epoch,
+    step_alone,
+    touch,
+    train_step,
+)
 from benchmarks.processes import (  # noqa: E402
     Placement,
     Served,
@@ -178,19 +184,6 @@ def batches_per_epoch(name: str, args: argparse.Namespace) -> int:
     batch_size: int = args.batch_size
     samples = DEMO_SAMPLES if name == "demo" else args.batches * batch_size
     return -(-samples // batch_size)
-
-
-@dataclasses.dataclass
-class Workload:
-    """What `compare` measured for one workload."""
-
-    sides: dict[str, Side]
-    # Tensor bytes of one batch (the mean over the local side's timed epochs): the ceilings'.
-    batch_bytes: int
-    # --train-step: wall and CPU seconds of the step alone on one batch; else None.
-    step: tuple[float, float] | None
-    # Across hosts: the transports the server logged for its streams, counted.
-    logged: collections.Counter[str]
 
 
 def compare(
@@ -415,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "demo" in names:
         demo_folder()  # generated once into the cache, before either side reads it
+    link: netns.Link | None = None
     place = Placement()
     try:
         if args.cross_host:
-            place = Placement(netns.Link.create(rate=args.link_rate))
+            link = netns.Link.create(rate=args.link_rate)
+            place = Placement(link)
         if args.tls:
             place = Placement(place.link, tlsfiles.make(place.host))
         where = place.describe() if place.link is None else place.link.describe()
@@ -442,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {name: compare(name, args, place, raw, bar) for name in names}
             top = raw.ceilings({name: r.batch_bytes for name, r in results.items()}, bar)
     finally:
-        if place.link is not None:
-            place.link.close()
+        if link is not None:
+            link.close()
         if place.tls is not None:
             tlsfiles.remove(place.tls)
     print(report.table(results, top, args.rounds))

@@ -1,11 +1,13 @@
 """What benchmarks/compare.py measures, and how: one timed epoch of a loader (wall seconds, time
 to the first batch, tensor bytes), the CPU it cost this process and the loader's processes, the
 peak RSS of both (sampled in a thread), and the per-batch work of the training loop (`touch`, or
-`train_step` with --train-step).
+`train_step` with --train-step), and what one workload came to (`Workload`, which
+benchmarks/report.py shows).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -194,3 +196,16 @@ class Side:
             transport = str(loader.stats().transport)
             if transport not in self.transports:
                 self.transports.append(transport)
+
+
+@dataclasses.dataclass
+class Workload:
+    """What `compare` measured for one workload."""
+
+    sides: dict[str, Side]
+    # Tensor bytes of one batch (the mean over the local side's timed epochs): the ceilings'.
+    batch_bytes: int
+    # --train-step: wall and CPU seconds of the step alone on one batch; else None.
+    step: tuple[float, float] | None
+    # Across hosts: the transports the server logged for its streams, counted.
+    logged: collections.Counter[str]

@@ -56,7 +56,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -171,6 +171,50 @@ def _exists(argv: Sequence[str]) -> bool:
     return subprocess.run(list(argv), capture_output=True, check=False).returncode == 0
 
 
+def private_shm(namespace: str, argv: Sequence[str]) -> list[str]:
+    """`argv` run inside network namespace `namespace` and a mount namespace of its own with an
+    empty tmpfs on /dev/shm (module doc, "Not the same host")."""
+    script = f'mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec "$@"'
+    inside = ["ip", "netns", "exec", namespace, "unshare", "-m"]
+    return [*inside, "sh", "-c", script, "sh", *argv]
+
+
+class CloseOnSignal:
+    """Runs `close` at exit, and turns SIGTERM / SIGINT into SystemExit / KeyboardInterrupt
+    meanwhile, so that `finally` blocks (and `with` blocks, which call `close`) run too; a
+    second signal during cleanup takes the default way out. `disarm()` (from `close`) restores
+    the handlers it replaced."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self._close = close
+        self._handlers: dict[int, Any] = {}
+
+    @classmethod
+    def arm(cls, close: Callable[[], None]) -> CloseOnSignal:
+        guard = cls(close)
+        atexit.register(close)
+        if threading.current_thread() is threading.main_thread():
+            # Signal handlers can only be set there; atexit still covers a normal exit.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                guard._handlers[sig] = signal.signal(sig, guard._on_signal)
+        return guard
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _restore(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers.clear()
+
+    def disarm(self) -> None:
+        self._restore()
+        atexit.unregister(self._close)
+
+
 @dataclasses.dataclass
 class Link:
     """A network namespace `namespace` joined to the root one by a veth pair (module doc)."""
@@ -182,8 +226,7 @@ class Link:
     server_ip: str
     rate: str | None
     _closed: bool = dataclasses.field(default=False, init=False, repr=False)
-    # The SIGTERM / SIGINT handlers this link replaced, restored by close().
-    _handlers: dict[int, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _guard: CloseOnSignal | None = dataclasses.field(default=None, init=False, repr=False)
 
     @classmethod
     def create(cls, rate: str | None = None) -> Link:
@@ -197,7 +240,7 @@ class Link:
         subnet = _free_subnet()
         client_ip, server_ip = (str(host) for host in subnet.hosts())
         link = cls(f"rlbench-{tag}", f"rlb{tag}c", f"rlb{tag}s", client_ip, server_ip, rate)
-        link._arm()
+        link._guard = CloseOnSignal.arm(link.close)
         try:
             link._build(subnet.prefixlen)
         except BaseException:
@@ -223,9 +266,7 @@ class Link:
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """`argv` run inside the namespace with a private /dev/shm (module doc)."""
-        script = f'mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec "$@"'
-        inside = ["ip", "netns", "exec", self.namespace, "unshare", "-m"]
-        return [*inside, "sh", "-c", script, "sh", *argv]
+        return private_shm(self.namespace, argv)
 
     def describe(self) -> str:
         shaped = f", shaped to {self.rate} each way (tc tbf)" if self.rate else ", unshaped"
@@ -237,32 +278,13 @@ class Link:
 
     # --- cleanup ------------------------------------------------------------------------------
 
-    def _arm(self) -> None:
-        """close() at exit and on SIGTERM / SIGINT (raised as exceptions, so finally runs)."""
-        atexit.register(self.close)
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set there; atexit still covers a normal exit
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._restore_handlers()  # a second signal during cleanup takes the default way out
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
-
-    def _restore_handlers(self) -> None:
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
-        self._handlers.clear()
-
     def close(self) -> None:
         """Kills what still runs in the namespace, deletes it and both veth ends. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._restore_handlers()
-        atexit.unregister(self.close)
+        if self._guard is not None:
+            self._guard.disarm()
         if _exists(["ip", "netns", "pids", self.namespace]):
             # Only this run's processes can be in its fresh, randomly named namespace: servers
             # a crash left behind would otherwise keep it (and its veth end) alive.

@@ -16,8 +16,8 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
-from benchmarks.netns import Link
 from benchmarks.tlsfiles import TlsFiles
 from remote_loader.server.cli.main import spawn_serve
 
@@ -42,12 +42,26 @@ def start_server(flags: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, f"127.0.0.1:{port}"
 
 
+class Far(Protocol):
+    """Another "host" servers can run on: benchmarks/netns.py's Link, or one of
+    benchmarks/cpuhost.py's Hosts (`Hosts.on`)."""
+
+    @property
+    def server_ip(self) -> str: ...
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """The command line that runs `argv` on that host."""
+        ...
+
+    def describe(self) -> str: ...
+
+
 @dataclasses.dataclass
 class Placement:
-    """Where servers run: on loopback (`link` None: 127.0.0.1, this namespace), or across `link`:
+    """Where servers run: on loopback (`link` None: 127.0.0.1, this namespace), or on `link`:
     inside its network namespace with a private /dev/shm, on its address (benchmarks/netns.py)."""
 
-    link: Link | None = None
+    link: Far | None = None
     # TLS for every server started here (`--tls`): its files; None: plaintext.
     tls: TlsFiles | None = None
 
@@ -121,20 +135,30 @@ def serve_at(place: Placement, flags: Sequence[str]) -> Served:
     return Served(proc, f"{place.host}:{port}", log)
 
 
-def read_banner(proc: subprocess.Popen[str], what: str, timeout: float = STARTUP_TIMEOUT) -> str:
-    """The first stdout line of `proc`, waiting at most `timeout` s; kills it on failure (its
-    stderr, where it was not redirected, is above the error)."""
+def read_line(proc: subprocess.Popen[str], what: str, timeout: float) -> str:
+    """The next stdout line of `proc`, waiting at most `timeout` s; RuntimeError saying whether
+    it exited (its stderr, where it was not redirected, is above) or was silent."""
     if proc.stdout is None:
         raise ValueError(f"{what} was started without stdout=PIPE")
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, timeout))
     line = proc.stdout.readline() if ready else ""
     if not line:
-        proc.kill()
-        proc.communicate()
+        code = proc.poll()
         raise RuntimeError(
-            f"{what} printed nothing within {timeout:g} s (exit code {proc.returncode})"
+            f"{what} "
+            + (f"exited with code {code}" if code is not None else f"was silent for {timeout:g} s")
         )
     return line
+
+
+def read_banner(proc: subprocess.Popen[str], what: str, timeout: float = STARTUP_TIMEOUT) -> str:
+    """The first stdout line of `proc`, waiting at most `timeout` s; kills it on failure."""
+    try:
+        return read_line(proc, what, timeout)
+    except RuntimeError:
+        proc.kill()
+        proc.communicate()
+        raise
 
 
 def banner_port(line: str, what: str) -> int:
@@ -212,6 +236,14 @@ def process_rss(pid: int) -> int:
             return int(f.read().split()[1]) * PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLOCK_TICKS
 
 
 def loadavg() -> str:

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from benchmarks import ceilings
+from benchmarks.charts import grouped_bars, pyplot
 
 if TYPE_CHECKING:
-    from benchmarks.compare import Workload
-    from benchmarks.measure import Epoch, Side
+    from benchmarks.measure import Epoch, Side, Workload
 
 MB = 1e6
 
@@ -28,11 +28,7 @@ def ratios(local: Side, remote: Side) -> list[float]:
 
 def plot(results: dict[str, Workload], raw: list[float], path: str, title: str) -> None:
     """Draws the ratios remote/local, batches/s and GB/s of every loader into the image `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(results)
     labels = list(results[names[0]].sides)
     remote = [label for label in labels if label != "local"]
@@ -66,17 +62,10 @@ def plot(results: dict[str, Workload], raw: list[float], path: str, title: str) 
     ax_ratio.legend(loc="upper left", ncols=4)
 
     def grouped(ax: Any, value: Callable[[Epoch], float], fmt: str) -> list[float]:
-        values = []
-        width = 0.8 / len(labels)
-        for i, label in enumerate(labels):
-            offset = (i - (len(labels) - 1) / 2) * width
-            medians = [results[name].sides[label].median(value) for name in names]
-            bars = ax.bar(
-                [x + offset for x in xs], medians, width=width, color=colors[label], label=label
-            )
-            ax.bar_label(bars, labels=[format(v, fmt) for v in medians], padding=2, fontsize=8)
-            values += medians
-        return values
+        series = {
+            label: [results[name].sides[label].median(value) for name in names] for label in labels
+        }
+        return grouped_bars(ax, series, colors, fmt=fmt)
 
     rates = grouped(ax_rate, lambda e: e.batches_per_s, ".1f")
     ax_rate.set_ylim(0, max(rates) * 1.3)  # room for the labels and the legend

@@ -1,5 +1,5 @@
 """Does a slow trainer across hosts get every epoch's end on its data connections? (NOTE [ End of
-a stream ] in protos/tcp.py.)
+a stream ] in protos/tcp_closing.py.)
 
 The server (`remote-loader serve` of benchmarks/workloads.py's Images, about 9.6 MB per batch of
 64) runs in a network namespace of its own (benchmarks/netns.py: a veth pair, a private

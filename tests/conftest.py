@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from remote_loader.client import (
     assembly,
 )
-from remote_loader.protos import decoding, tcp
+from remote_loader.protos import batch_types, tcp
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
@@ -137,10 +137,10 @@ def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
 
 
 @pytest.fixture
-def fresh_types(monkeypatch: pytest.MonkeyPatch) -> decoding._Types:
+def fresh_types(monkeypatch: pytest.MonkeyPatch) -> batch_types.BatchTypes:
     """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
-    types = decoding._Types()
-    monkeypatch.setattr(decoding, "_TYPES", types)
+    types = batch_types.BatchTypes()
+    monkeypatch.setattr(batch_types, "TYPES", types)
     return types
 
 

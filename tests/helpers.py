@@ -55,7 +55,7 @@ from remote_loader.protos import (
     codec,
     doorbell,
     shm,
-    tcp,
+    striping,
     wire,
 )
 from remote_loader.protos import loader_pb2 as pb
@@ -463,7 +463,7 @@ def expected(sizes: list[int]) -> list[torch.Tensor]:
     return [torch.full((n,), i % 256, dtype=torch.uint8) for i, n in enumerate(sizes)]
 
 
-MiB = tcp.MIN_STRIPE
+MiB = striping.MIN_STRIPE
 
 
 # --- Logs and metrics -----------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def log_lines(caplog: pytest.LogCaptureFixture, prefix: str, count: int) -> list
         return [
             r.getMessage()
             for r in caplog.records
-            if r.name == "remote_loader.server.api.service" and r.getMessage().startswith(prefix)
+            if r.name == "remote_loader.server.api.stream" and r.getMessage().startswith(prefix)
         ]
 
     wait_until(lambda: len(lines()) >= count, 5)

@@ -66,7 +66,7 @@ def test_new_iter_replaces_the_running_stream(start_server: StartServer) -> None
             next(first)
 
 
-def test_timeout_names_the_batch(start_server: StartServer) -> None:
+def test_timeout_names_the_batch_and_is_torchs_runtime_error(start_server: StartServer) -> None:
     spec = LoaderSpec(
         name="slow", dataset="tests.datasets:Slow", batch_size=1, dataset_kwargs={"seconds": 2.0}
     )
@@ -75,9 +75,11 @@ def test_timeout_names_the_batch(start_server: StartServer) -> None:
         RemoteLoader(address, timeout=0.3) as loader,
         pytest.raises(
             LoaderTimeoutError, match=r"timed out after 0\.3 seconds waiting for batch 0 of epoch 0"
-        ),
+        ) as raised,
     ):
         next(iter(loader))
+    # torch raises RuntimeError("DataLoader timed out after ..."): `except RuntimeError` works.
+    assert isinstance(raised.value, RuntimeError) and isinstance(raised.value, TimeoutError)
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])

@@ -1,4 +1,4 @@
-"""Batch types as torch's DataLoader keeps them (NOTE [ Batch types ] in protos/decoding.py): a
+"""Batch types as torch's DataLoader keeps them (NOTE [ Batch types ] in protos/batch_types.py): a
 namedtuple, a dataclass or a Mapping subclass comes back as its class where the client can import
 it, else as a stand-in with a warning; headers without a type decode as before.
 

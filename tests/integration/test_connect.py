@@ -248,7 +248,7 @@ def test_an_address_reaches_its_server(start_server: StartServer) -> None:
 def test_state_dict_names_the_job_as_the_server_does(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.stream")
     spec = LoaderSpec(name="squares", dataset="tests.datasets:Squares", batch_size=4, seed=1)
     served = serve_loaders(spec)
     with RemoteLoader(served.address) as loader:

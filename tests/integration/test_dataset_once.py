@@ -98,7 +98,7 @@ def test_every_worker_starts_from_the_servers_dataset(
             assert {w for batch in _ids(batches, "worker") for w in batch} == {0, 1}
 
 
-def test_an_unpicklable_dataset_is_built_by_each_worker_with_one_warning(
+def test_an_unpicklable_dataset_is_built_by_each_worker_with_one_warning_to_trainers_too(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="remote_loader.server.worker.dataset")
@@ -114,7 +114,11 @@ def test_an_unpicklable_dataset_is_built_by_each_worker_with_one_warning(
     assert "'locked'" in warning and "TypeError" in warning and "lock" in warning
     assert "differs between workers" in warning
     order = served.hosts["locked"].dataset.order.tolist()
-    with RemoteLoader(served.address, "locked", device="cpu") as loader:
+    # The trainer is told too, at iter(), as torch's own warnings are.
+    with (
+        RemoteLoader(served.address, "locked", device="cpu") as loader,
+        pytest.warns(UserWarning, match=r"'locked' \(DrawnWhenBuilt\) cannot be pickled"),
+    ):
         batches = list(loader)
     assert [i for batch in _ids(batches, "index") for i in batch] == list(range(24))
     # Each worker drew its own permutation (24! of them: not the server's, but by a fluke).

@@ -30,7 +30,7 @@ from remote_loader.client import (
 from remote_loader.client import errors as client_errors
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons, wire
-from remote_loader.server.api.service import statuses
+from remote_loader.server.api.status import statuses
 from remote_loader.server.config.spec import LoaderSpec
 from tests.helpers import SERVER_CLASSES, SQUARES, ServeLoaders
 

@@ -79,7 +79,7 @@ def _served_when_admitted(address: str, loader: str, **options: Any) -> list[Any
 def _end_lines(caplog: pytest.LogCaptureFixture) -> Iterator[dict[str, str]]:
     for record in caplog.records:
         message = record.getMessage()
-        if record.name == "remote_loader.server.api.service" and message.startswith("stream end "):
+        if record.name == "remote_loader.server.api.stream" and message.startswith("stream end "):
             yield {
                 k: v.strip('"') for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', message)
             }
@@ -93,7 +93,7 @@ def _aborted(caplog: pytest.LogCaptureFixture) -> list[dict[str, str]]:
 def test_streams_that_read_nothing_give_their_places_to_a_trainer(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.stream")
     served = serve_loaders(BLOBS, SMALL, max_streams=4, idle_stream_timeout=1.0)
     # Twice max_streams raw clients: four hold every place (on a busy machine, a late one may
     # already take the place of one that has been stuck for a second), the others are refused.
@@ -150,7 +150,7 @@ def test_a_paused_trainer_keeps_its_stream_while_the_server_has_room(
 def test_a_paused_trainer_closed_for_a_newcomer_resumes_where_it_was(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture, transport: Transport
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.stream")
     blobs = dataclasses.replace(BLOBS, dataset_kwargs={"n": 64, "nbytes": 1 << 20})
     served = serve_loaders(blobs, SMALL, max_streams=1, idle_stream_timeout=1.0)
     with RemoteLoader(served.address, "blobs", device="cpu", transport=transport) as paused:

@@ -133,7 +133,7 @@ def test_a_second_server_on_the_same_port_fails_clearly(serve_loaders: ServeLoad
 def test_stream_log_lines_are_key_value_with_the_peer_and_the_error(
     serve_loaders: ServeLoaders, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="remote_loader.server.api.service")
+    caplog.set_level(logging.INFO, logger="remote_loader.server.api.stream")
     broken = LoaderSpec(
         name="broken",
         dataset="tests.datasets:Squares",

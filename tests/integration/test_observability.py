@@ -20,7 +20,7 @@ from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import wire
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.metrics import MAX_LABEL_CHARS
+from remote_loader.server.telemetry.series import MAX_LABEL_CHARS
 from tests.helpers import ServeLoaders, log_fields, scrape, value
 
 SQUARES = LoaderSpec(

@@ -36,7 +36,7 @@ from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.engine.ray.backend import RayBackend
-from remote_loader.server.engine.ray.bridge import REPLACE_PATIENCE, SLOW_START_PATIENCE
+from remote_loader.server.engine.ray.starts import REPLACE_PATIENCE, SLOW_START_PATIENCE
 from remote_loader.server.transports.node import NAMED_AHEAD
 from tests.datasets import Sizes, Slow
 from tests.helpers import LOOPBACK, NODE, ContainedCluster, descendants
@@ -140,7 +140,7 @@ def test_a_replacement_placed_on_a_dead_node_ends_in_an_answer(
         cluster.shutdown()  # type: ignore[no-untyped-call]
     assert "failed to start" in caplog.text, caplog.text
     print(f"a replacement's start failed: the longest wait for a batch was {longest:.1f} s")
-    # NOTE [ Every start ends ] in server/engine/ray/bridge.py: answered by Ray's own verdict (its
+    # NOTE [ Every start ends ] in server/engine/ray/starts.py: answered by Ray's own verdict (its
     # health checks: 12.8 s here), and within SLOW_START_PATIENCE however Ray fails.
     assert longest < SLOW_START_PATIENCE + REPLACE_PATIENCE, longest
 

@@ -26,7 +26,8 @@ from remote_loader.client import RemoteLoader, RemoteLoaderError
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.cli.demo import serve_command
-from remote_loader.server.config.spec import ConfigError, LoaderSpec, resolve, spec_from_table
+from remote_loader.server.config.file import spec_from_table
+from remote_loader.server.config.spec import ConfigError, LoaderSpec, resolve
 from remote_loader.server.engine import kept as kept_pools
 from remote_loader.server.engine.pool import WorkerPool
 from remote_loader.server.engine.ray.connect import CONNECT_TIMEOUT, GCS_PROBE_METHOD

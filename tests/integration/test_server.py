@@ -75,7 +75,7 @@ def test_the_send_stage_imports_nothing_of_the_sharing_stage() -> None:
     code = (
         "import sys, remote_loader.server.transports;"
         "print(sorted(m for m in sys.modules if m.rsplit('.', 1)[-1] in"
-        " ('lanes', 'run', 'policies', 'sharing', 'membership', 'elastic')))"
+        " ('lanes', 'run', 'consumer', 'policy', 'policies', 'sharing', 'membership', 'elastic')))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True

@@ -20,7 +20,7 @@ import pytest
 from remote_loader.client import RemoteLoader
 from remote_loader.client.types import Transport
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import shm, shm_probe, tcp
+from remote_loader.protos import shm, shm_probe, striping
 from remote_loader.server.config.spec import LoaderSpec
 from tests.helpers import (
     ServeLoaders,
@@ -140,7 +140,7 @@ def test_a_batch_sampler_whose_batches_grow_arrives_whole_over_shared_memory(
 def test_batches_copied_in_by_several_threads_arrive_whole(
     serve_loaders: ServeLoaders, copy_threads: None, zero_copy: bool
 ) -> None:
-    sizes = [2 * tcp.MIN_STRIPE + 1000 * i for i in range(6)]  # two stripes each
+    sizes = [2 * striping.MIN_STRIPE + 1000 * i for i in range(6)]  # two stripes each
     served = serve_loaders(sizes_spec(sizes), zero_copy=zero_copy)
     with RemoteLoader(served.address, timeout=20, device="cpu") as loader:
         received = list(loader)

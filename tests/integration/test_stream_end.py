@@ -1,6 +1,7 @@
-"""The end of a stream on its data connections (NOTE [ End of a stream ] in protos/tcp.py): the
-server's last batch may still be in the kernel's buffers when its stream ends, and a slower
-trainer must get all of it, without a reset, a resume or a batch made twice.
+"""The end of a stream on its data connections (NOTE [ End of a stream ] in
+protos/tcp_closing.py): the server's last batch may still be in the kernel's buffers when its
+stream ends, and a slower trainer must get all of it, without a reset, a resume or a batch made
+twice.
 
 Real servers on port 0 and real sockets on loopback; a client with a small receive buffer keeps
 most of the last batch in the server's send buffer, as a slow trainer across a network does.

@@ -14,7 +14,7 @@ import pytest
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.engine import autotune
 from remote_loader.server.engine.autotune import Decision, WorkerTuner
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 
 class Host:

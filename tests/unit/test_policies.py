@@ -19,6 +19,7 @@ from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.config.types import SHARING_MODES
 from remote_loader.server.engine.seam import Engine
 from remote_loader.server.errors import SharingRefused
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.lanes import BroadcastLane, Lane, QueueLane
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import (
@@ -31,7 +32,7 @@ from remote_loader.server.sharing.policies import (
     admit,
     policy_for,
 )
-from remote_loader.server.sharing.run import Consumer, Run, RunKey
+from remote_loader.server.sharing.run import Run, RunKey
 
 EPOCH = [[i] for i in range(8)]
 
@@ -48,8 +49,8 @@ def _never_lent(give_up: Callable[[], bool]) -> contextlib.AbstractContextManage
     raise AssertionError("these Runs are never started")
 
 
-def _detach(consumer: Consumer, join: bool) -> None:
-    consumer.run.detach(consumer)  # no registry: a consumer that closes leaves its Run
+def _detach(run: Run, consumer: Consumer, join: bool) -> None:
+    run.detach(consumer)  # no registry: a consumer that closes leaves its Run
 
 
 class Slots:

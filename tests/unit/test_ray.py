@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from remote_loader.server.api.settings import resolve_settings
-from remote_loader.server.config.spec import ConfigError, LoaderSpec, read_config
+from remote_loader.server.config.file import read_config
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
 
 
 def test_pool_ray_is_checked_in_the_spec() -> None:

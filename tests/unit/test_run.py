@@ -19,9 +19,9 @@ from remote_loader.server.config.sampling import EpochPlan, share
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import Engine
 from remote_loader.server.errors import Closing, Detached
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW
 from remote_loader.server.sharing.membership import Membership
-from remote_loader.server.sharing.run import Consumer
 from remote_loader.server.sharing.runs import Runs
 from tests.helpers import wait_until
 
@@ -302,7 +302,7 @@ def test_closing_a_run_fails_each_stream_with_the_reason_and_gives_the_engine_ba
     engine = FakeEngine()
     runs = registry(engine, tasks(1000))
     ranks = [runs.attach(Membership("partition", "job", r, 2), 0, 0) for r in (0, 1)]
-    run = ranks[0].run
+    [run] = runs.active()
     held = ranks[0].next(NEVER)  # taken, not sent: the Run settles it
     assert held is not None
     run.close("the server is going away")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from remote_loader.server.api.settings import ServerSettings, resolve_settings
-from remote_loader.server.config.spec import ConfigError, read_config
+from remote_loader.server.config.file import read_config
+from remote_loader.server.config.spec import ConfigError
 from tests.helpers import LOADER, TOKEN
 
 

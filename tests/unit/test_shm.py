@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from remote_loader.client import assembly
-from remote_loader.protos import shm, shm_probe, tcp
+from remote_loader.protos import shm, shm_probe, striping
 from tests.helpers import (
     copiers,
     rings,
@@ -171,16 +171,16 @@ def test_no_room_in_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch: pytest.Mo
 
 
 def test_a_large_copy_is_striped_over_threads_byte_for_byte(copy_threads: None) -> None:
-    src = np.frombuffer(random.Random(1).randbytes(3 * tcp.MIN_STRIPE + 7), dtype=np.uint8)
+    src = np.frombuffer(random.Random(1).randbytes(3 * striping.MIN_STRIPE + 7), dtype=np.uint8)
     dst = np.zeros_like(src)
     assembly.copy_in(dst, src)
     assert bytes(dst) == bytes(src)  # three stripes of uneven sizes
     # The pool's threads and this one: ThreadPoolExecutor starts its second thread only when the
     # first is still busy at the second stripe's submit, which a loaded machine may not see.
     assert 1 <= len(copiers()) <= 2
-    small = np.zeros(tcp.MIN_STRIPE, dtype=np.uint8)
-    assembly.copy_in(small, src[: tcp.MIN_STRIPE])  # under two stripes' worth: one plain copy
-    assert bytes(small) == bytes(src[: tcp.MIN_STRIPE])
+    small = np.zeros(striping.MIN_STRIPE, dtype=np.uint8)
+    assembly.copy_in(small, src[: striping.MIN_STRIPE])  # under two stripes' worth: one plain copy
+    assert bytes(small) == bytes(src[: striping.MIN_STRIPE])
 
 
 def test_the_server_shares_rings_only_with_a_user_that_can_open_them() -> None:

@@ -11,13 +11,9 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from remote_loader.server.config.file import load_config
 from remote_loader.server.config.flags import add_spec_arguments, spec_from_args
-from remote_loader.server.config.spec import (
-    ConfigError,
-    LoaderSpec,
-    load_config,
-    resolve,
-)
+from remote_loader.server.config.spec import ConfigError, LoaderSpec, resolve
 from remote_loader.server.sharing.host import LoaderHost
 from tests import datasets
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-from remote_loader.server.config.spec import LoaderSpec, spec_from_table
+from remote_loader.server.config.file import spec_from_table
+from remote_loader.server.config.spec import LoaderSpec
 
 
 def test_unset_values_are_resolved_to_what_holds() -> None:

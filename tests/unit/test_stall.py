@@ -12,7 +12,7 @@ import pytest
 from remote_loader.client.stall import StallWindow
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import stall, wire
-from remote_loader.server.stall import Report, StallBoard
+from remote_loader.server.telemetry.stall import Report, StallBoard
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """Several data connections per stream (NOTE [ TCP data connection ]: striping) without a server:
-how a batch is cut (`tcp.stripes`) and filled in place (`Assembly.fill_range`), a failed stripe
+how a batch is cut (`striping.stripes`) and filled in place (`Assembly.fill_range`), a failed stripe
 stopping the others, and a count of connections out of range refused.
 
 The tests that start a server, a process or Ray: tests/integration/test_striping.py.
@@ -20,7 +20,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.client.assembly import Assembly
 from remote_loader.client.errors import ProtocolError
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp
+from remote_loader.protos import striping, tcp
 from tests.helpers import (
     MiB,
 )
@@ -35,22 +35,22 @@ from tests.helpers import (
      8 * MiB, 8 * MiB + 1, 12_000_000, 100 * MiB + 7],
 )  # fmt: skip
 def test_stripes_cover_the_batch_in_aligned_contiguous_ranges(total: int, connections: int) -> None:
-    stripes = tcp.stripes(total, connections)
+    stripes = striping.stripes(total, connections)
     assert len(stripes) == min(connections, max(1, total // MiB))
     assert stripes[0][0] == 0 and stripes[-1][1] == total
     for (_, end), (start, _) in itertools.pairwise(stripes):
         assert end == start  # contiguous
-        assert start % tcp.STRIPE_ALIGN == 0
+        assert start % striping.STRIPE_ALIGN == 0
     sizes = [end - start for start, end in stripes]
     assert total == 0 or min(sizes) > 0
-    assert max(sizes) - min(sizes) <= 2 * tcp.STRIPE_ALIGN  # none waits long for another
-    assert total < MiB or min(sizes) > MiB - tcp.STRIPE_ALIGN
+    assert max(sizes) - min(sizes) <= 2 * striping.STRIPE_ALIGN  # none waits long for another
+    assert total < MiB or min(sizes) > MiB - striping.STRIPE_ALIGN
 
 
 @pytest.mark.parametrize("connections", [0, tcp.MAX_DATA_CONNECTIONS + 1])
 def test_stripes_need_a_valid_count_of_connections(connections: int) -> None:
     with pytest.raises(ValueError, match="1 to 8 data connections"):
-        tcp.stripes(1000, connections)
+        striping.stripes(1000, connections)
 
 
 def test_stripes_fill_their_own_ranges_of_a_batch_in_place() -> None:
@@ -105,12 +105,12 @@ def test_a_failed_stripe_stops_the_others_and_no_stripe_outlives_the_batch(waiti
         with pytest.raises(tcp.DataConnectionError, match="a stripe broke"):
             tasks = [lambda: True, breaks, breaks]
             tasks[waiting] = waits_for_the_failure
-            tcp.concurrently(pool, tasks, failed)
+            striping.concurrently(pool, tasks, failed)
         assert returned == ["waited"]  # it returned before the error was raised
         assert time.monotonic() - started < 2
         failed.clear()
-        assert tcp.concurrently(pool, [lambda: True] * 3, failed)
-        assert not tcp.concurrently(pool, [lambda: True, lambda: False], failed)  # stopped
+        assert striping.concurrently(pool, [lambda: True] * 3, failed)
+        assert not striping.concurrently(pool, [lambda: True, lambda: False], failed)  # stopped
         assert not failed.is_set()
 
 

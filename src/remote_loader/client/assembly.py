@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from remote_loader.client.errors import ProtocolError
-from remote_loader.protos import codec, tcp
+from remote_loader.protos import codec, striping
 from remote_loader.protos.buffers import BufferPool
 
 # NOTE [ Copying a batch in ]: a batch out of shared memory (a slot or the ring) or an in-band
@@ -25,8 +25,8 @@ from remote_loader.protos.buffers import BufferPool
 # bounds the shm transport: on a 16-core H200 box, 9.6 MB batches, shm delivered 4.7 GB/s where
 # the four threads of tcp's striped connections delivered 5.9; striped as below, shm delivered
 # 8.8-9.3 (benchmarks/RESULTS.md, "On a GPU"). numpy lets go of the GIL while it copies, so a
-# large copy is cut as a data connection's batch is (tcp.stripes: at least MIN_STRIPE bytes,
-# aligned) and run as its stripes are (tcp.concurrently), one stripe per thread of a small
+# large copy is cut as a data connection's batch is (striping.stripes: at least MIN_STRIPE bytes,
+# aligned) and run as its stripes are (striping.concurrently), one stripe per thread of a small
 # pool. Only where the host has cores to spare: a quarter of this process's CPUs, at most 4; on
 # a 2-core box the copy stays on one thread, beside the server's workers.
 # The pool (COPY_THREADS - 1 threads, made at the first striped copy) lives as long as the
@@ -51,7 +51,7 @@ def _copiers() -> ThreadPoolExecutor:
 def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
     """`dst[:] = src` (1-D uint8 arrays of one length), striped over COPY_THREADS threads (this
     one among them) when it is large enough (NOTE [ Copying a batch in ])."""
-    cuts = tcp.stripes(len(dst), COPY_THREADS) if COPY_THREADS > 1 else [(0, len(dst))]
+    cuts = striping.stripes(len(dst), COPY_THREADS) if COPY_THREADS > 1 else [(0, len(dst))]
     if len(cuts) == 1:
         dst[:] = src
         return
@@ -61,7 +61,7 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
         return True
 
     tasks = [functools.partial(copy, lo, hi) for lo, hi in cuts]
-    tcp.concurrently(_copiers(), tasks, threading.Event())
+    striping.concurrently(_copiers(), tasks, threading.Event())
 
 
 class Assembly:

@@ -3,6 +3,7 @@ LoaderInfo.length is the consumer's and its rank may be known only at its first 
 
 from __future__ import annotations
 
+from remote_loader.client import state as state_module
 from remote_loader.client.link import ServerLink
 from remote_loader.client.options import JobRank, LoaderOptions
 from remote_loader.protos import loader_pb2 as pb
@@ -46,3 +47,18 @@ class Descriptions:
         """The answer to this consumer once its first stream has fixed its rank, before then
         the first one."""
         return self._infos[self.members.fixed or self._first]
+
+    def resumed_length(self, point: state_module.ResumePoint, members: tuple[int, int]) -> int:
+        """Asks the server to check a resume onto another world size now (a refusal says why
+        here, not at the next `iter()`); the batches of the epoch's rest in this rank's share,
+        for len(). 0 for a resume on the world size it was saved at: nothing to check."""
+        if point.reshard is None:
+            return 0
+        asked = pb.DescribeRequest(
+            loader=self._name,
+            consumer=self.consumer(members),
+            epoch=point.epoch,
+            seed=point.seed,
+            reshard=state_module.reshard_message(point.reshard),
+        )
+        return int(self._link.describe(asked, "resuming").length)

@@ -14,14 +14,8 @@ from typing import Any
 import torch
 
 from remote_loader.client.errors import ConnectionLostError, LoaderTimeoutError
-from remote_loader.client.receiver import (
-    POLL_INTERVAL,
-    Failed,
-    Finished,
-    Item,
-    Ready,
-    Receiver,
-)
+from remote_loader.client.items import Failed, Finished, Item, Ready
+from remote_loader.client.receiver import POLL_INTERVAL, Receiver
 from remote_loader.client.stall import StallWindow
 
 

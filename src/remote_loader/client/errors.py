@@ -22,7 +22,8 @@ RemoteLoaderError                       (`.reason`: the server's reason code, if
 ├── ConnectionLostError    the server cannot be reached, or the stream broke (unavailable,
 │                          closing, client-silent, data-connection-lost, detached, idle-stream;
 │                          UNAVAILABLE, ABORTED)
-├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError)
+├── LoaderTimeoutError     no batch arrived within the loader's `timeout` (also a TimeoutError,
+│                          and a RuntimeError as torch's "DataLoader timed out")
 ├── ProtocolError          the server sent frames this client cannot read
 └── ServerError            any other failure reported by the server (internal; INTERNAL, ...)
     └── ServerBusyError    the server stayed at its max_streams through every retry
@@ -133,8 +134,11 @@ class ConnectionLostError(RemoteLoaderError):
     """The server could not be reached, or a stream from it broke off."""
 
 
-class LoaderTimeoutError(RemoteLoaderError, TimeoutError):
-    """No batch arrived within the RemoteLoader's `timeout`."""
+class LoaderTimeoutError(RemoteLoaderError, TimeoutError, RuntimeError):
+    """No batch arrived within the RemoteLoader's `timeout`.
+
+    Also a RuntimeError: torch's DataLoader raises RuntimeError("DataLoader timed out after N
+    seconds"), and a script written for it catches that."""
 
 
 class TransportError(RemoteLoaderError):

@@ -11,8 +11,9 @@ import grpc
 
 from remote_loader.client import connect
 from remote_loader.client.errors import LoaderNotFoundError
+from remote_loader.client.items import Item
 from remote_loader.client.options import LoaderOptions
-from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.receiver import Receiver
 from remote_loader.client.transports import StreamEnds, Transports
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import tcp

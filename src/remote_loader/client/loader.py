@@ -15,9 +15,10 @@ from remote_loader.client.connect import DEFAULT_BACKOFF
 from remote_loader.client.described import Descriptions
 from remote_loader.client.epoch import EpochIterator, LoaderStats
 from remote_loader.client.errors import SpecChangedError
+from remote_loader.client.items import Item
 from remote_loader.client.link import ServerLink
 from remote_loader.client.options import LoaderOptions, resolve_options
-from remote_loader.client.receiver import Item, Receiver
+from remote_loader.client.receiver import Receiver
 from remote_loader.client.report import StallReporter
 from remote_loader.client.security import TLS
 from remote_loader.client.stall import StallWindow
@@ -69,26 +70,16 @@ class RemoteLoader(LoaderSurface):
             before the error reaches the training loop (0: never resume); also how many times
             the first connection is tried again after a refusal.
         backoff: seconds before the first resume attempt; doubles per attempt, up to 8 s.
-        transport: "auto" moves batches through shared memory when the server shares this
-            host's /dev/shm (the same machine, or containers sharing IPC), else on data
-            connections beside the gRPC stream when the server offers them (TCP sockets, TLS
-            with `tls`), else inside the gRPC stream, each falling back on its own, losing and
-            repeating nothing; "tcp" skips shared memory and never falls back: a stream whose
-            data connections the server does not offer or this client cannot make raises
-            TransportError; "grpc" always streams them inside gRPC messages. See
-            `last_transport`.
-        data_connections: how many TCP data connections a stream may open (1 to 8; the server
-            may grant fewer). Each batch is cut into a stripe per connection, sent and read all
-            at once, but into no more stripes than it has MiB (a batch under 2 MiB goes on
-            one): several fill a fast link (25-100 GbE) that one connection cannot. None (the
-            default): up to 4; under TLS one per two of this host's CPUs, at most 4 (one on
-            two cores: TLS stripes' readers take Python's GIL back after every 16 KiB record,
-            and more of them than spare cores only take turns).
-        compression: "lz4" or "zstd": the server's workers compress each tensor that shrinks
-            and this client decompresses it, for links slower than decompression (about 1-10
-            Gbit/s); "none" (the default): the bytes as they are, what shared memory and fast
-            links want. A server without the codec's package sends them uncompressed. All
-            consumers of a job should ask alike: each choice is a production of its own.
+        transport: "auto" (shared memory on the same host, else TCP data connections beside
+            the gRPC stream, else the stream itself, each falling back on its own, losing and
+            repeating nothing), "tcp" (data connections or TransportError) or "grpc" (inside
+            gRPC messages); see `last_transport` and docs/transports.md.
+        data_connections: how many TCP data connections a stream may open (1 to 8, the
+            server may grant fewer), each batch striped over them; None: up to 4, fewer under
+            TLS (docs/transports.md, "Data connection").
+        compression: "lz4" or "zstd" for links slower than decompression (about 1-10 Gbit/s),
+            "none" (the default) otherwise; all consumers of a job should ask alike: each
+            choice is a production of its own (docs/transports.md, "Compression").
 
     Each iterator streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()` or
     `sampler.set_epoch()`, taking it at its first `next()`: an iterator dropped before then
@@ -360,18 +351,7 @@ class RemoteLoader(LoaderSurface):
                 f"(spec fingerprint {state['fingerprint']} then, {self.info.fingerprint} now): "
                 "resuming would not line the batches up"
             )
-        length = 0
-        if point.reshard is not None:
-            # The server checks the resume now (a refusal says why here, not at iter()) and
-            # says how many batches this rank's share of the epoch's rest holds, for len().
-            asked = pb.DescribeRequest(
-                loader=self.name,
-                consumer=self._described.consumer(members),
-                epoch=point.epoch,
-                seed=point.seed,
-                reshard=state_module.reshard_message(point.reshard),
-            )
-            length = int(self._link.describe(asked, "resuming").length)
+        length = self._described.resumed_length(point, members)
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None

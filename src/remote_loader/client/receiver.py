@@ -12,7 +12,6 @@ only when the retries run out (NOTE [ Waiting for the server ] in client/connect
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -34,6 +33,7 @@ from remote_loader.client.errors import (
     map_rpc_error,
     server_busy,
 )
+from remote_loader.client.items import Failed, Finished, Item, Ready
 from remote_loader.client.transports import (
     BatchReused,
     StreamEnds,
@@ -56,38 +56,6 @@ STATUS_WAIT = 1.0
 RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
 )
-
-
-@dataclasses.dataclass
-class Ready:
-    """A decoded batch; on CUDA, `event` marks the end of its copy to the device."""
-
-    batch: Any
-    device_payload: torch.Tensor | None = None
-    event: Any = None  # torch.cuda.Event when the batch was copied on a side stream
-    nbytes: int = 0  # the encoded batch's size (header and tensor data), for stats()
-    transport: str = "grpc"  # how it arrived: "shm", "tcp", "node" or "grpc"
-    # Its stream's wait for the workers, and this receiver's time on it (NOTE [ Stall stages ]).
-    workers_wait: float = 0.0
-    copy_seconds: float = 0.0
-
-
-@dataclasses.dataclass
-class Failed:
-    """An error to raise at this point of the stream; `final` ends the stream."""
-
-    error: RemoteLoaderError
-    final: bool
-
-
-@dataclasses.dataclass
-class Finished:
-    """The stream ended normally after `batches` batches."""
-
-    batches: int
-
-
-Item = Ready | Failed | Finished
 
 
 def _retryable(exc: grpc.RpcError) -> bool:

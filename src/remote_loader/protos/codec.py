@@ -9,7 +9,7 @@ torch.Tensor (any strided CPU tensor that is not quantized), numpy.ndarray (bool
 dtypes), int (int64 range), float, bool, str, bytes, bytearray, memoryview and None. A namedtuple
 (PackedSequence included), a dataclass or a Mapping subclass comes back as its own class where the
 client can import it, else as a namedtuple made there or a dict, with a warning (NOTE [ Batch
-types ] in protos/decoding.py). Other subclasses decode as their base type: a list or tuple
+types ] in protos/batch_types.py). Other subclasses decode as their base type: a list or tuple
 subclass as a list or tuple, bytearray and memoryview as bytes, and a numpy scalar
 (`np.float32(1)`) as a 0-d array. Dict keys may be str, int, float, bool, None or tuples of those.
 """

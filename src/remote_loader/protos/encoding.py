@@ -3,7 +3,7 @@
 Nothing is copied until `Encoded.write_payload`, which puts each leaf at its offset of the blob
 (NOTE [ Blob layout ] in protos/layout.py) with one copy per leaf, or none for a leaf already
 there (`Placed`). A namedtuple, dataclass or Mapping subclass carries its class's name so the
-client can rebuild it (NOTE [ Batch types ] in protos/decoding.py).
+client can rebuild it (NOTE [ Batch types ] in protos/batch_types.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ tf.data service clients read from its workers.
                                                                    the stream's pusher checks
                                                                    the slot still holds
                                                                    `generation`, writes each
-                                                                   stripe (tcp.stripes) on
+                                                                   stripe (striping.stripes) on
                                                                    its connection after OK
                                                                    (one kernel copy), checks
                                                                    again, SERVED (nonce,

@@ -7,7 +7,7 @@ NOTE [ Error reasons ]
 A gRPC status code is too coarse to carry the kind of an error: a broken loader and a changed
 spec are both FAILED_PRECONDITION, a full server and a request too large both
 RESOURCE_EXHAUSTED. So every error the server ends a call with carries its reason in the
-call's trailing metadata, under REASON_KEY (server/api/service.py `_abort_with`; the token check,
+call's trailing metadata, under REASON_KEY (server/api/status.py `abort_with`; the token check,
 server/api/auth.py; an undecodable request, server/api/validation.py), and the client maps the
 reason to its exception (client/errors.py `map_rpc_error`). A call with no reason (an older server,
 or an error gRPC itself ends the call with before any handler runs: a request over

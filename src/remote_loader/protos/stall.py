@@ -32,14 +32,14 @@ memory, data connection, node) that is a few bytes; on an in-band part 0 it is o
 of at most a chunk (4 MiB, under a millisecond), made while the stream would have waited anyway.
 An older client ignores the field (field 14 is new).
 
-Reports (client/report.py -> Report RPC -> server/stall.py): a RemoteLoader sends one small
-StallReport (about 100 bytes) per REPORT_INTERVAL while it reads, so control traffic is bounded
-by one unary call per second per stream. The server keeps at most one report per reporter
-(its `reporter` id), drops a report that comes MIN_REPORT_GAP after the previous one of the
-same reporter (RESOURCE_EXHAUSTED), forgets a reporter silent for REPORT_TTL, and holds
+Reports (client/report.py -> Report RPC -> server/telemetry/stall.py): a RemoteLoader sends
+one small StallReport (about 100 bytes) per REPORT_INTERVAL while it reads, so control traffic
+is bounded by one unary call per second per stream. The server keeps at most one report per
+reporter (its `reporter` id), drops a report that comes MIN_REPORT_GAP after the previous one
+of the same reporter (RESOURCE_EXHAUSTED), forgets a reporter silent for REPORT_TTL, and holds
 HISTORY samples of history for each: the memory is bounded by its count of reporters (the
-consumer-series cap, NOTE [ Stall board ] in server/stall.py). A server that predates Report
-answers UNIMPLEMENTED: the client stops reporting for good.
+consumer-series cap, NOTE [ Stall board ] in server/telemetry/stall.py). A server that
+predates Report answers UNIMPLEMENTED: the client stops reporting for good.
 """
 
 from __future__ import annotations

@@ -32,13 +32,14 @@ errors at their positions, the end of the stream, status and cancellation.
 Striping: one TCP connection tops out below a 25-100 GbE link (one core copies its bytes in the
 kernel, one window limits it), so a stream may spread each batch over several. Both ends cut it
 the same way from what both know, the batch's size and the stream's connection count:
-`stripes(total, m)` gives min(m, total // MIN_STRIPE) (at least 1) contiguous ranges of the
-blob, their boundaries multiples of STRIPE_ALIGN, and stripe i goes on connection i. Nothing
-numbers a stripe on the wire, so a connection carries exactly its stripes, batch after batch, in
-order. A client that asks nothing (data_connections=None) asks for DEFAULT_DATA_CONNECTIONS and
-lets the batch's size decide how many carry it; a small batch goes on connection 0 alone. One
-connection is the protocol as it was before striping, so old and new ends agree: an old client
-sends no data_connections (0: one), an old server announces no more_tickets.
+`stripes(total, m)` (protos/striping.py) gives min(m, total // MIN_STRIPE) (at least 1)
+contiguous ranges of the blob, their boundaries multiples of STRIPE_ALIGN, and stripe i goes on
+connection i. Nothing numbers a stripe on the wire, so a connection carries exactly its stripes,
+batch after batch, in order. A client that asks nothing (data_connections=None) asks for
+DEFAULT_DATA_CONNECTIONS and lets the batch's size decide how many carry it; a small batch goes
+on connection 0 alone. One connection is the protocol as it was before striping, so old and new
+ends agree: an old client sends no data_connections (0: one), an old server announces no
+more_tickets.
 
 Why a ticket and not the token: the ticket reaches the client only inside the Stream call, which
 passed the token check (server/api/auth.py), so a data connection is as authorized as its stream;
@@ -102,45 +103,18 @@ no count asks for `default_connections(tls=True)`: one per two of the CPUs it ma
 most DEFAULT_DATA_CONNECTIONS (one on two or three CPUs, four from eight), the other half for
 its training loop; a plain client asks for DEFAULT_DATA_CONNECTIONS whatever its CPUs.
 
-NOTE [ End of a stream ]
-
-A send returns once a batch's bytes are in the server's kernel buffers, not once the client has
-read them: at a stream's end a slower trainer may still have megabytes of the last batch in
-flight (SOCKET_BUFFER each way per connection). Closing the socket then loses them whenever
-anything unread sits in its receive buffer (a heartbeat the server had no reason to read: its
-sends did not block), or arrives after the close: the kernel answers with a reset instead of a
-FIN (TcpExtTCPAbortOnData), which drops what the server's send buffer holds, and the client
-breaks off mid-batch and resumes, the server making the batch again. Measured before this
-order: 8 of 17 epochs across a veth pair, 16 % of their batches made twice.
-
-So a stream that ended ends its data connections in this order: the server half-closes each
-(`end_of_stream`: a FIN queued behind the last byte) before its end Frame, and hands them to
-the listener (DataListener.retire), whose thread reads and drops what the client still sends
-(heartbeats) until the client closes its end (it does once the stream is over: every byte
-read), and only then closes. A client that does neither (frozen, or a bug) is let go after
-`client_silence` seconds without a heartbeat and without its unacknowledged bytes (`unsent`)
-shrinking, the rule the stream itself follows; at most MAX_CLOSING such connections are held,
-the oldest closed first. The stream's handler does not wait for any of it: its status goes out
-at once. A stream that broke or was cancelled closes its connections at once (nothing in them
-is wanted).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import itertools
 import os
 import secrets
 import select
 import socket
 import ssl
-import sys
-import termios
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, wait
+from collections.abc import Callable
 
 MAGIC = b"RLDC\x01"  # "remote-loader data connection", version 1
 TICKET_BYTES = 32
@@ -168,20 +142,11 @@ POLL_INTERVAL = 0.1
 # 25 GbE link (3.1 GB/s) wants 2 to 4, a 100 GbE one (12.5 GB/s) about 8.
 MAX_DATA_CONNECTIONS = 8
 DEFAULT_DATA_CONNECTIONS = 4  # under TLS, fewer on a client of few CPUs: default_connections
-# A stripe costs a thread handoff on each side (tens of microseconds). 1 MiB takes ~0.3 ms on
-# 25 GbE and ~0.1 ms on 100 GbE, so that cost stays a small fraction of the stripe; and a batch
-# below 2 MiB, over in a few hundred microseconds on any such link, goes on one connection.
-MIN_STRIPE = 1 << 20
-# Stripe boundaries are multiples of this: whole pages of the blob for each connection's copies.
-STRIPE_ALIGN = 64 << 10
 
 
 BEAT = b"\x00"
 # The most a TLS data connection's send hands OpenSSL at once (NOTE [ TLS data connection ]).
 TLS_WRITE = 1 << 20
-# Data connections whose stream ended, held by the listener until their client closes them
-# (NOTE [ End of a stream ]); past this, the oldest is closed.
-MAX_CLOSING = 256
 
 
 class SilentClientError(ConnectionError):
@@ -205,62 +170,6 @@ def beat(sock: socket.socket) -> None:
 
 class DataConnectionError(ConnectionError):
     """The data connection could not be made, or broke."""
-
-
-def stripes(total: int, connections: int) -> list[tuple[int, int]]:
-    """How a batch of `total` bytes is cut on a stream with `connections` data connections: the
-    (start, end) blob ranges, stripe i for connection i (NOTE [ TCP data connection ]).
-
-    min(connections, total // MIN_STRIPE) of them, at least one; contiguous, covering
-    [0, total), every boundary between two a multiple of STRIPE_ALIGN (the even cut rounded
-    down), so their sizes are within 2 * STRIPE_ALIGN of each other and each is more than
-    MIN_STRIPE - STRIPE_ALIGN: never empty.
-    """
-    if total < 0:
-        raise ValueError(f"a batch has a size of at least 0 bytes, got {total}")
-    if not 1 <= connections <= MAX_DATA_CONNECTIONS:
-        raise ValueError(
-            f"a stream has 1 to {MAX_DATA_CONNECTIONS} data connections, got {connections}"
-        )
-    count = min(connections, max(1, total // MIN_STRIPE))
-    inner = (total * i // count // STRIPE_ALIGN * STRIPE_ALIGN for i in range(1, count))
-    return list(itertools.pairwise([0, *inner, total]))
-
-
-def concurrently(
-    pool: Executor | None, tasks: Sequence[Callable[[], bool]], failed: threading.Event
-) -> bool:
-    """Runs `tasks[0]` on this thread and the others on `pool`, all at once: the stripes of one
-    batch, each writing or reading its own connection. True when every task returned True;
-    False when one was stopped (returned False).
-
-    A task that raises sets `failed`, which the others' `stopped()` must watch (they return
-    within POLL_INTERVAL); once all have returned, the first task's error (by stripe) is raised.
-    No task outlives this call, so none touches the batch after it.
-    """
-    if len(tasks) > 1 and pool is None:
-        raise ValueError(f"{len(tasks)} stripes need a pool for all but the first")
-
-    def run(task: Callable[[], bool]) -> bool:
-        try:
-            return task()
-        except BaseException:
-            failed.set()
-            raise
-
-    futures: list[Future[bool]] = []
-    try:
-        if pool is not None:
-            futures = [pool.submit(run, task) for task in tasks[1:]]
-        done = run(tasks[0])
-    except BaseException:
-        failed.set()
-        wait(futures)
-        raise
-    wait(futures)
-    for future in futures:  # in stripe order: raises the first error
-        done = future.result() and done
-    return done
 
 
 def default_connections(*, tls: bool, cpus: int | None = None) -> int:
@@ -431,24 +340,6 @@ def drain(sock: socket.socket) -> int | None:
         if not got:
             return None
         total += len(got)
-
-
-def end_of_stream(sock: socket.socket) -> None:
-    """Half-closes the server's end after its last batch: the FIN follows every byte sent, and
-    the client can still send (its heartbeats) until it closes (NOTE [ End of a stream ])."""
-    with contextlib.suppress(OSError):
-        # socket.socket's shutdown: SSLSocket's would drop the TLS state first.
-        socket.socket.shutdown(sock, socket.SHUT_WR)
-
-
-def unsent(sock: socket.socket) -> int | None:
-    """Bytes the kernel holds that the client has not yet acknowledged (SIOCOUTQ); None where
-    it cannot say."""
-    try:
-        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    except (OSError, ValueError):
-        return None
-    return int.from_bytes(out, sys.byteorder, signed=True)
 
 
 def recv_into(

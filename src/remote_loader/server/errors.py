@@ -4,7 +4,7 @@ Every error the service reports to a client is a `CallFailed`; its class names t
 (`status`, a grpc.StatusCode name, so this module needs no gRPC and the worker side can import
 it) and its kind (`reason`, sent in the call's trailing metadata: NOTE [ Error reasons ] in
 protos/reasons.py), and its message is the status details. The service maps them in one place
-(service.statuses): anything else that escapes a call is a bug, reported as INTERNAL.
+(server/api/status.py `statuses`): anything else that escapes a call is a bug, reported as INTERNAL.
 
 Names: each class below the root is its reason code in CamelCase (`loader-broken`:
 LoaderBroken), the word the client's logs and metadata carry, with no suffix; the client's own

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from remote_loader.client.assembly import Assembly
 from remote_loader.client.errors import ConnectionLostError, ProtocolError
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import node, tcp
+from remote_loader.protos import node, striping, tcp
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class NodeEnd:
                 f"{self._what}: batch {assembly.batch} is on {where.host}:{where.port}, which "
                 f"this client could not connect to: {exc}"
             ) from exc
-        stripes = tcp.stripes(assembly.total, len(socks))
+        stripes = striping.stripes(assembly.total, len(socks))
         answered = [False] * len(stripes)
         failed = threading.Event()  # one stripe failed: the others stop
         heard = [time.monotonic()]  # the last sign of life of the node, any stripe's
@@ -138,7 +138,7 @@ class NodeEnd:
 
         try:
             done = assembly.receive(
-                read, stripes, lambda tasks: tcp.concurrently(self._pool, tasks, failed)
+                read, stripes, lambda tasks: striping.concurrently(self._pool, tasks, failed)
             )
         except tcp.DataConnectionError as exc:
             # A stripe read half-way leaves the connection mid-answer: no use any more.

@@ -15,7 +15,7 @@ from remote_loader.client.assembly import Assembly
 from remote_loader.client.errors import ConnectionLostError, ProtocolError, TransportError
 from remote_loader.client.transports.base import TransportUnusable
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp
+from remote_loader.protos import striping, tcp
 
 # The threads that read stripes 1.. of a stream's batches (tests count them).
 STRIPE_THREAD_NAME = "rl-stripe-recv"
@@ -23,7 +23,7 @@ STRIPE_THREAD_NAME = "rl-stripe-recv"
 
 class TcpEnd:
     """Connects when the stream announces its data connections, then reads each batch whose
-    Frame says `on_tcp` from them, stripe i from connection i (tcp.stripes), all at once:
+    Frame says `on_tcp` from them, stripe i from connection i (striping.stripes), all at once:
     header first, then the payload straight into place.
 
     `host`: the gRPC target's host, where the data connections go (None: this client did not
@@ -145,8 +145,8 @@ class TcpEnd:
         try:
             return assembly.receive(
                 read,
-                tcp.stripes(assembly.total, len(socks)),
-                lambda tasks: tcp.concurrently(self._pool, tasks, failed),
+                striping.stripes(assembly.total, len(socks)),
+                lambda tasks: striping.concurrently(self._pool, tasks, failed),
             )
         except tcp.DataConnectionError as exc:
             raise ConnectionLostError(f"{self._what}: batch {assembly.batch}: {exc}") from exc

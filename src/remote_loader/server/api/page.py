@@ -17,7 +17,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.server.exposition import WSGIApp
+from remote_loader.server.telemetry.exposition import WSGIApp
 
 # The page runs only its own inline script and style, and fetches only from this port.
 HEADERS = [

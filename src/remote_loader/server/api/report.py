@@ -1,5 +1,5 @@
 """The Report RPC: a trainer's stall, checked and kept on its loader's StallBoard (NOTE [ Stall
-stages ] in protos/stall.py, NOTE [ Stall board ] in server/stall.py)."""
+stages ] in protos/stall.py, NOTE [ Stall board ] in server/telemetry/stall.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.stall import STAGES
-from remote_loader.server.api.service import statuses
+from remote_loader.server.api.status import statuses
 from remote_loader.server.api.validation import Undecodable, decoded
 from remote_loader.server.errors import InvalidRequest, ServerBusy, clip
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.sharing.membership import DEFAULT_JOB, Membership
-from remote_loader.server.stall import Report
+from remote_loader.server.telemetry.stall import Report
 
 
 class Reports:

@@ -44,8 +44,8 @@ from remote_loader.server.engine.forkserver import (
 )
 from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.exposition import MetricsServer
 from remote_loader.server.sharing.host import LoaderHost
+from remote_loader.server.telemetry.exposition import MetricsServer
 from remote_loader.server.transports import DataListener
 
 log = logging.getLogger(__name__)
@@ -352,8 +352,8 @@ def create_server(hosts: Mapping[str, LoaderHost], settings: ServerSettings) -> 
         ) from exc
     if port == 0:
         raise OSError(f"cannot listen on {address} (is another server using it?)")
-    # Prometheus metrics on a port of their own (server/metrics.py), bound now, served once
-    # started and closed with the gRPC server.
+    # Prometheus metrics on a port of their own (server/telemetry/metrics.py), bound now,
+    # served once started and closed with the gRPC server.
     metrics = None
     if settings.metrics_address:
         metrics = MetricsServer(

@@ -1,29 +1,24 @@
 """The gRPC stage: the Loader service (ListLoaders, Describe, Stream); server/api/server.py binds
 and runs it.
 
-Stream handlers forward the bytes workers encoded, cut into Frames (remote_loader.protos.wire),
-and stop producing as soon as the client goes away.
+A Stream call is checked and counted here; once it is let in, server/api/stream.py sends it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
-import threading
-import time
-from collections.abc import Generator, Iterator, Mapping
-from typing import NoReturn
+from collections.abc import Iterator, Mapping
 
 import grpc
 
-from remote_loader.protos import compression, shm, stall, wire
+from remote_loader.protos import compression, shm, wire
 from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import tcp as tcp_protocol
 from remote_loader.server.api.admission import Admission, StreamSlot
 from remote_loader.server.api.settings import ServerSettings
-from remote_loader.server.api.status import trailer
+from remote_loader.server.api.status import statuses
+from remote_loader.server.api.stream import AdmittedStream, Sending, send_stream
 from remote_loader.server.api.validation import (
     Undecodable,
     check_epoch,
@@ -31,7 +26,6 @@ from remote_loader.server.api.validation import (
     decoded,
 )
 from remote_loader.server.errors import (
-    CallFailed,
     Closing,
     InvalidRequest,
     LoaderNotFound,
@@ -40,22 +34,13 @@ from remote_loader.server.errors import (
     SpecChanged,
     clip,
 )
-from remote_loader.server.logfmt import logfmt
-from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.host import LoaderHost
 from remote_loader.server.sharing.membership import DEFAULT_JOB, Membership
-from remote_loader.server.sharing.policies import policy_for
-from remote_loader.server.sharing.run import Consumer
+from remote_loader.server.telemetry.logfmt import logfmt
 from remote_loader.server.transports import (
     DEFAULT_CLIENT_SILENCE,
     DataListener,
-    Sender,
-    StreamStopped,
-    connect,
-    negotiate,
 )
-from remote_loader.server.transports.base import error_frame
-from remote_loader.server.transports.node import NodeSender
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +82,7 @@ class LoaderService:
         # of a stream idle for idle_stream_timeout (NOTE [ Idle streams ]); health and Describe
         # are not counted: a full server still answers probes.
         self.admission = Admission(max_streams, idle_stream_timeout)
-        self._stream_ids = itertools.count(1)  # names a stream in its log lines
+        self._stream_ids = itertools.count(1)
 
     def wait_streams(self, timeout: float) -> bool:
         """Waits up to `timeout` s for the running streams to end; True if none is left."""
@@ -213,13 +198,22 @@ class LoaderService:
                 "(--max-streams, REMOTE_LOADER_MAX_STREAMS)"
             )
         try:
-            yield from self._stream(request, context, slot)
+            yield from send_stream(self._admit(request, context, slot), self._sending())
         finally:
             self.admission.release(slot)
 
+    def _sending(self) -> Sending:
+        return Sending(
+            self.chunk_size,
+            self.max_ring_bytes,
+            self.zero_copy,
+            self.client_silence,
+            self.listener,
+        )
+
     def _admit(
-        self, request: pb.StreamRequest
-    ) -> tuple[LoaderHost, Membership, int, Reshard | None]:
+        self, request: pb.StreamRequest, context: grpc.ServicerContext, slot: StreamSlot
+    ) -> AdmittedStream:
         """The stream's loader, membership, seed and elastic origin; a CallFailed error for a
         request refused before anything reads the dataset."""
         host = self.host(request.loader)
@@ -241,211 +235,13 @@ class LoaderService:
                 problem = str(exc)
         if problem is not None:
             raise InvalidRequest(problem)
-        return host, membership, seed, reshard
-
-    def _stream(
-        self, request: pb.StreamRequest, context: grpc.ServicerContext, slot: StreamSlot
-    ) -> Iterator[bytes]:
-        host, membership, seed, reshard = self._admit(request)
-        start = request.start
-        cancelled = threading.Event()
-        # The client went away (cancel, break, crash, deadline): stop producing for it.
-        context.add_callback(cancelled.set)
-        started = time.monotonic()
-        progress = _Progress(batches=start)
-        who = logfmt(
-            stream=next(self._stream_ids),
-            peer=context.peer(),
-            loader=host.spec.name,
-            epoch=request.epoch,
-            seed=seed,
-            sharing=membership.sharing,
-            job=clip(membership.job),
-            rank=f"{membership.rank}/{membership.world_size}",
-            start=start,
-            compression=request.compression or "none",
-        )
-        shared = policy_for(membership.sharing).shares_entries
-        negotiated = negotiate(
+        return AdmittedStream(
             request,
-            chunk_size=self.chunk_size,
-            shared=shared,
-            max_ring_bytes=self.max_ring_bytes,
-            zero_copy=self.zero_copy,
-            client_silence=self.client_silence,
-            listener=self.listener,
+            context,
+            slot,
+            host,
+            membership,
+            seed,
+            reshard,
+            next(self._stream_ids),  # names the stream in its log lines
         )
-        log.info("stream start %s %s", who, logfmt(transport=negotiated.described))
-        sender: Sender = negotiated.sender
-        consumer = None
-        try:
-            if negotiated.ticket is not None:
-                assert self.listener is not None
-                connected = yield from connect(
-                    negotiated, self.listener, cancelled.is_set, self.client_silence, who
-                )
-                if connected is None:
-                    return
-                sender = connected
-            if request.node_fetch and not shared:
-                # NOTE [ Node data connection ]: a batch made on another host is named there
-                # once this trainer has reached that node.
-                sender = NodeSender(sender, _node_connections(request))
-            consumer = host.attach(
-                membership, seed, request.epoch, start, reshard, _compression(request)
-            )
-            # Detach at once when the client goes, even if this thread is stuck sending; the
-            # callback only queues it: it runs on gRPC's thread (NOTE [ Sharing ]).
-            context.add_callback(consumer.let_go)
-            ended = yield from _send_epoch(consumer, sender, cancelled, progress, slot)
-            if not ended:
-                return  # cancelled mid-batch; the finally below closes the consumer
-            # Detach before the end frame: the last consumer out gives the workers back first,
-            # so this trainer's next epoch finds them free (NOTE [ Sharing ]).
-            consumer.close()
-            # A ring's name must outlive the client's opening it (it may be behind).
-            with contextlib.suppress(StreamStopped):
-                sender.finish(cancelled.is_set)
-            if not cancelled.is_set():
-                yield wire.control_frame(pb.Frame(end=pb.StreamEnd(batches=progress.batches)))
-                progress.completed = True
-        except Exception as exc:
-            if cancelled.is_set():
-                return  # nobody is left to tell; the log line says "cancelled"
-            if not isinstance(exc, CallFailed):
-                log.exception("stream of loader %r failed", host.spec.name)
-                exc = CallFailed(
-                    f"loader {host.spec.name!r} failed outside the dataset: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-            # Here, not in statuses: the stream's end line below logs the status.
-            _abort_with(context, exc)
-        finally:
-            if consumer is not None:
-                consumer.close()
-            sender.close()
-            done = progress.completed
-            outcome = _outcome(context, cancelled.is_set() and not done, done)
-            if slot.evicted is not None and not done:  # NOTE [ Idle streams ]
-                outcome = {"outcome": "error", "status": "ABORTED", "error": slot.evicted}
-            log.log(
-                logging.WARNING if "status" in outcome else logging.INFO,
-                "stream end %s %s",
-                who,
-                logfmt(
-                    batches=progress.batches - start,
-                    bytes=progress.nbytes,
-                    **{f"{sender.name}_batches": sender.batches},
-                    errors=consumer.errors if consumer is not None else 0,
-                    seconds=f"{time.monotonic() - started:.3f}",
-                    **outcome,
-                ),
-            )
-
-
-@dataclasses.dataclass
-class _Progress:
-    """How far a stream has got."""
-
-    batches: int  # the position of the next batch in this consumer's epoch
-    nbytes: int = 0  # encoded bytes sent
-    completed: bool = False  # the end frame went out: callbacks after it are not a cancellation
-
-
-def _node_connections(request: pb.StreamRequest) -> int:
-    """How many connections the stream makes to each node: as many as it asked for data
-    connections (none: the default), at most the cap."""
-    asked = request.data_connections or tcp_protocol.DEFAULT_DATA_CONNECTIONS
-    return min(asked, tcp_protocol.MAX_DATA_CONNECTIONS)
-
-
-def _send_epoch(
-    consumer: Consumer,
-    sender: Sender,
-    cancelled: threading.Event,
-    progress: _Progress,
-    slot: StreamSlot,
-) -> Generator[bytes, None, bool]:
-    """Sends the consumer's entries in order, counting them in `progress`: True when its
-    epoch ended, False when the client went away mid-batch. `slot` is told when the stream
-    waits on its client (NOTE [ Idle streams ])."""
-
-    def stopped() -> bool:
-        return cancelled.is_set() or consumer.detached is not None
-
-    while (entry := consumer.next(cancelled)) is not None:
-        slot.handing()
-        try:
-            if entry.error is not None:
-                yield error_frame(progress.batches, entry.error)
-            else:
-                # NOTE [ Stall stages ]: part 0 says how long the stream waited for the batch.
-                waited: float | None = consumer.waited
-                # gRPC resumes this generator once it has written the Frame: the client took
-                # it, and the wait for it to take the next one starts.
-                for frame in sender.send(progress.batches, entry.outgoing, stopped):
-                    if waited is not None and (first := stall.stamped(frame, waited)):
-                        frame, waited = first, None
-                    yield frame
-                    slot.handing()
-                progress.nbytes += entry.nbytes
-        except StreamStopped:
-            if cancelled.is_set():
-                return False
-            continue  # detached: next() says why
-        finally:
-            slot.between()
-            consumer.done(entry)
-        consumer.sent(entry)  # metrics: batches, bytes or errors served
-        progress.batches += 1
-    return True
-
-
-def _compression(request: pb.StreamRequest) -> str:
-    """The codec the stream's workers use (NOTE [ Compression ]): the one asked for, or none
-    when this server lacks its package (the client decodes whatever each batch says)."""
-    name = compression.check(request.compression)
-    if name and not compression.available(name):
-        log.warning(
-            "a stream asked for %s compression, which this server cannot do (%s): sending "
-            "its batches uncompressed",
-            name,
-            compression.install_hint(name),
-        )
-        return ""
-    return name
-
-
-def _outcome(context: grpc.ServicerContext, cancelled: bool, completed: bool) -> dict[str, str]:
-    """How a stream ended, for its log line: with the status code and message of an error."""
-    # code() and details() are grpc's (experimental) ServicerContext API, not in grpc-stubs.
-    code = getattr(context, "code", lambda: None)()
-    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
-        details = getattr(context, "details", lambda: b"")()
-        if isinstance(details, bytes):
-            details = details.decode("utf-8", "replace")
-        return {"outcome": "error", "status": code.name, "error": str(details or "")}
-    if cancelled:
-        return {"outcome": "cancelled"}  # by the client: it broke off, closed or died
-    return {"outcome": "completed" if completed else "ended"}
-
-
-@contextlib.contextmanager
-def statuses(context: grpc.ServicerContext) -> Iterator[None]:
-    """The one mapping of errors to statuses (server/errors.py): a CallFailed ends the call
-    with its status and message. (A stream maps its own errors once it has started, so that
-    its end line can log the status; anything else there is reported as a CallFailed.)"""
-    try:
-        yield
-    except CallFailed as exc:
-        _abort_with(context, exc)
-
-
-def _abort_with(context: grpc.ServicerContext, error: CallFailed) -> NoReturn:
-    """Ends the call with `error`'s status and message, and its reason (and a broken loader's
-    exception) in the trailing metadata (NOTE [ Error reasons ], server/api/status.py): abort
-    sends what set_trailing_metadata set."""
-    details, metadata = trailer(error)
-    context.set_trailing_metadata(metadata)
-    context.abort(grpc.StatusCode[error.status], details)
-    raise AssertionError("unreachable: context.abort raises")

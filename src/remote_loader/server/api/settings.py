@@ -18,7 +18,7 @@ from remote_loader.server.api.auth import ServerTLS, check_token, load_tls, toke
 from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.spec import ConfigError
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS
+from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
 
 ENV_PREFIX = "REMOTE_LOADER_"
 # Requests are a few plain fields (loader, epoch, seed, consumer): anything near this is a
@@ -48,11 +48,13 @@ class ServerSettings:
     # NOTE [ Idle streams ] in server/api/admission.py). 0: no stream gives way.
     idle_stream_timeout: float = DEFAULT_IDLE_STREAM_TIMEOUT
     log_level: str = "INFO"
-    # HOST:PORT of the Prometheus metrics endpoint (server/metrics.py); empty: no endpoint.
+    # HOST:PORT of the Prometheus metrics endpoint (server/telemetry/metrics.py); empty: no
+    # endpoint.
     metrics_address: str = ""
     # Consumer label sets (job, sharing, rank) each loader gives metric series of their own;
-    # consumers past them are counted under job="other", rank="other" (server/metrics.py), so
-    # client-chosen job names cannot grow the metrics without bound.
+    # consumers past them are counted under job="other", rank="other"
+    # (server/telemetry/series.py), so client-chosen job names cannot grow the metrics without
+    # bound.
     metrics_max_consumers: int = DEFAULT_MAX_CONSUMERS
     # Largest encoded batch in bytes; a bigger one is an error at its position (why 2 GiB:
     # DEFAULT_MAX_BATCH_BYTES).

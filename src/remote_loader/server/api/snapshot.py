@@ -23,9 +23,10 @@ from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos.stall import COPY, HISTORY, IN_FLIGHT, REPORT_INTERVAL, WORKERS
 from remote_loader.server.api.validation import Undecodable, decoded
 from remote_loader.server.engine.autotune import host_idle_cores
-from remote_loader.server.metrics import ConsumerRow, LoaderMetrics, Totals
 from remote_loader.server.sharing.host import LoaderHost
-from remote_loader.server.stall import Seen
+from remote_loader.server.telemetry.metrics import LoaderMetrics, Totals
+from remote_loader.server.telemetry.series import ConsumerRow
+from remote_loader.server.telemetry.stall import Seen
 
 # The current rates are over the last few samples (one second is noisy).
 RATE_SPAN = 5.0

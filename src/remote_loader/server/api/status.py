@@ -1,12 +1,17 @@
-"""How a failed call ends on the wire: its status details and trailing metadata (the reason
-and, for a broken loader, its original exception), fitted under gRPC's metadata limit.
+"""How a failed call ends on the wire: the one mapping of errors to statuses (`statuses`), and
+its status details and trailing metadata (the reason and, for a broken loader, its original
+exception), fitted under gRPC's metadata limit.
 
-See NOTE [ Error reasons ] in protos/reasons.py; server/api/service.py `_abort_with` sends them.
+See NOTE [ Error reasons ] in protos/reasons.py; `abort_with` sends them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import NoReturn
+
+import grpc
 
 from remote_loader.protos import loader_pb2 as pb
 from remote_loader.protos import reasons
@@ -24,6 +29,27 @@ ERROR_LIMIT = 2304
 # How much of a remote error's message is kept when the error is too big (its traceback, which
 # repeats the message on its last line, is clipped first).
 MESSAGE_LIMIT = 512
+
+
+@contextlib.contextmanager
+def statuses(context: grpc.ServicerContext) -> Iterator[None]:
+    """The one mapping of errors to statuses (server/errors.py): a CallFailed ends the call
+    with its status and message. (A stream maps its own errors once it has started, so that
+    its end line can log the status; anything else there is reported as a CallFailed.)"""
+    try:
+        yield
+    except CallFailed as exc:
+        abort_with(context, exc)
+
+
+def abort_with(context: grpc.ServicerContext, error: CallFailed) -> NoReturn:
+    """Ends the call with `error`'s status and message, and its reason (and a broken loader's
+    exception) in the trailing metadata (NOTE [ Error reasons ], `trailer`): abort sends what
+    set_trailing_metadata set."""
+    details, metadata = trailer(error)
+    context.set_trailing_metadata(metadata)
+    context.abort(grpc.StatusCode[error.status], details)
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def trailer(error: CallFailed) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:

@@ -23,12 +23,9 @@ from remote_loader.server.cli.channel import (
 from remote_loader.server.cli.demo import run_demo
 from remote_loader.server.cli.demo import serve_command as serve_command
 from remote_loader.server.cli.demo import spawn_serve as spawn_serve
+from remote_loader.server.config.file import read_config
 from remote_loader.server.config.flags import add_spec_arguments, spec_from_args
-from remote_loader.server.config.spec import (
-    ConfigError,
-    LoaderSpec,
-    read_config,
-)
+from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.datasets import demo_spec
 
 if TYPE_CHECKING:

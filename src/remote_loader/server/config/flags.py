@@ -8,13 +8,8 @@ import dataclasses
 import json
 from typing import Any
 
-from remote_loader.server.config.spec import (
-    AUTO,
-    BATCH_SIZE_NONE,
-    SHARING_TIMEOUTS,
-    ConfigError,
-    LoaderSpec,
-)
+from remote_loader.server.config.file import BATCH_SIZE_NONE
+from remote_loader.server.config.spec import AUTO, SHARING_TIMEOUTS, ConfigError, LoaderSpec
 from remote_loader.server.config.types import POOL_BACKENDS, SEEDING_MODES, SHARING_MODES
 
 _FIELDS = {field.name for field in dataclasses.fields(LoaderSpec)}

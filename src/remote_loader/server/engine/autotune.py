@@ -9,11 +9,11 @@ the last decision; busy = that time / (workers * interval).
   idle (from /proc/stat over the same interval) and the pool is below max_workers: more
   workers on a saturated host only take CPU from each other and from the server. Where the
   trainers report their stall (NOTE [ Stall stages ] in protos/stall.py; the pool reads the
-  loader's StallBoard, server/stall.py), that means one of them spent more than STALL_ADD_ABOVE
-  of its last second blocked in next() on the stage "workers"; while they report and none
-  does, no worker is added however busy the workers are (they keep up: one more would only
-  make batches sooner than anyone reads them). Where none reports (older clients), the
-  workers' busy time stands in for it: busy above ADD_ABOVE.
+  loader's StallBoard, server/telemetry/stall.py), that means one of them spent more than
+  STALL_ADD_ABOVE of its last second blocked in next() on the stage "workers"; while they
+  report and none does, no worker is added however busy the workers are (they keep up: one
+  more would only make batches sooner than anyone reads them). Where none reports (older
+  clients), the workers' busy time stands in for it: busy above ADD_ABOVE.
 - Busy below REMOVE_BELOW, the pool below its cap of tasks in flight: the workers wait for
   room, so the consumers are the bottleneck (or nobody reads); one worker goes, down to one
   (with prefetch_factor = "auto", the queue per worker is made shallower first).
@@ -44,7 +44,7 @@ from typing import Protocol
 
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import in_flight_bound
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 log = logging.getLogger(__name__)
 

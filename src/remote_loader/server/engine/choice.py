@@ -25,7 +25,7 @@ from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import ConfigError, LoaderSpec
 from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import Engine
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 from remote_loader.server.worker.dataset import SharedDataset
 
 # The `ray` extra of pyproject.toml (a test holds them equal). The project is installed from its

@@ -15,7 +15,7 @@ from remote_loader.server.batch.delivery import Delivery, Outcome
 from remote_loader.server.batch.messages import DEFAULT_MAX_BATCH_BYTES
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 from remote_loader.server.worker.dataset import begin_dataset_epoch
 from remote_loader.server.worker.fetcher import Fetcher, seed_rngs
 from remote_loader.server.worker.loop import make_batch

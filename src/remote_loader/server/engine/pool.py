@@ -7,34 +7,33 @@ with room: NOTE [ Dispatch ] in server/engine/dispatch.py), keeps at most
 prefetch_factor * num_workers of them out, and hands back each task's outcome as it completes.
 
 It owns the task ledger (server/engine/ledger.py), the workers' shared-memory slots
-(server/engine/slots.py), dispatch, the Result -> Outcome step and the bounds, and holds two parts:
-a Supervisor (server/engine/supervisor.py), which replaces dead and stuck workers, and, with
-num_workers or prefetch_factor = "auto", a Resizer (server/engine/autotune.py). Where the workers
-run is a WorkerBackend's business (server/engine/backend.py): worker processes for the local pool
-(ProcessBackend, server/engine/local.py), Ray actors for the Ray pool (RayBackend,
-server/engine/ray/backend.py).
+(server/engine/slots.py), dispatch and the bounds, and holds three parts: the Result -> Outcome
+step (Outcomes, server/engine/outcomes.py), a Supervisor (server/engine/supervisor.py), which
+replaces dead and stuck workers, and, with num_workers or prefetch_factor = "auto", a Resizer
+(server/engine/autotune.py). Where the workers run is a WorkerBackend's business
+(server/engine/backend.py): worker processes for the local pool (ProcessBackend,
+server/engine/local.py), Ray actors for the Ray pool (RayBackend, server/engine/ray/backend.py).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from typing import Any
 
-from remote_loader.server.batch.delivery import Delivery, Outcome
-from remote_loader.server.batch.lease import SlotLease
-from remote_loader.server.batch.messages import EpochStart, Result, Task
+from remote_loader.server.batch.delivery import Outcome
+from remote_loader.server.batch.messages import EpochStart, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.autotune import Resizer, new_tuner
 from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.dispatch import dispatch_for
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
-from remote_loader.server.engine.seam import POLL_INTERVAL, WorkerInitError, in_flight_bound
+from remote_loader.server.engine.outcomes import Outcomes
+from remote_loader.server.engine.seam import POLL_INTERVAL, in_flight_bound
 from remote_loader.server.engine.slots import SlotTable
 from remote_loader.server.engine.supervisor import Supervisor
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 __all__ = ["WorkerPool"]
 
@@ -72,7 +71,7 @@ __all__ = ["WorkerPool"]
 # Timing: a Result carries the worker's time.monotonic() when it took the task and when it was
 # done (one clock for every process of a Linux host); with the task's submit time and the time
 # poll read it, they give the index queue wait, the making and the result pipe wait
-# (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/metrics.py).
+# (remote_loader_queue_wait_seconds, remote_loader_batch_make_seconds; server/telemetry/metrics.py).
 #
 # The Ray backend (server/engine/ray/backend.py) keeps this protocol, with its bridge process in the
 # middle (NOTE [ Ray bridge ] in server/engine/ray/bridge.py): EpochStart and Task go to an actor as
@@ -155,6 +154,13 @@ class WorkerPool:
         # num_workers or prefetch_factor = "auto" (NOTE [ Worker autotuning ]).
         tuner = new_tuner(spec, self.prefetch)
         self._resizer = None if tuner is None else Resizer(tuner, spec.name, self._metrics)
+        self._outcomes = Outcomes(
+            self._ledger,
+            self._slots,
+            self._metrics,
+            made=None if self._resizer is None else self._resizer.made,
+            ran_dry=self._ran_dry,
+        )
 
     @property
     def outstanding(self) -> int:
@@ -309,59 +315,14 @@ class WorkerPool:
                     self._supervisor.short_of(event)
                     continue
                 self._slots.accept(event)
-                outcome = self._outcome(event)
+                outcome = self._outcomes.of(event, self._key)
                 if outcome is not None:
                     return outcome
             if time.monotonic() >= deadline:
                 return None
 
-    def _outcome(self, result: Result) -> Outcome | None:
-        pending = self._ledger.get(result.task_id)
-        if result.epoch_key != self._key or pending is None:
-            # A batch of an abandoned epoch, or a second answer for a task that was re-issued
-            # after its worker died: the first answer counted, this slot is free again.
-            if result.slot >= 0:
-                self._slots.release(result.incarnation, result.slot)
-            return None
-        if result.fatal:
-            assert result.error is not None
-            raise WorkerInitError(result.error)
-        now = self._ledger.complete(result.task_id, result.worker_id)
-        stamps = (pending.submitted_at, result.started_at, result.finished_at, now)
-        if self._resizer is not None:
-            self._resizer.made(result.finished_at - result.started_at, result.total_nbytes)
-        if result.exhausted:
-            # As torch does on _IterableDatasetStopIteration: no more tasks for this worker.
-            self._active[result.worker_id] = False
-            return Outcome(result.task_id, None)
-        if result.error is not None:
-            self._metrics.worker_timing(*stamps)
-            return Outcome(result.task_id, Delivery(error=result.error))
-        slot = self._slots.view(result.incarnation, result.slot)
-        if slot is None:
-            # From a process already replaced, reusing a slot forgotten with it: the task was
-            # re-issued, and its new answer counts.
-            self._ledger.restore(pending)
-            return None
-        self._metrics.worker_timing(*stamps)
-        blob = slot.blob(result.offset, result.total_nbytes)
-        kept = result.node_batch
-        if kept is not None:
-            kept.room = blob  # where the server fetches it to (or has it made again)
-        return Outcome(
-            result.task_id,
-            Delivery(
-                blob=blob,
-                header_nbytes=result.header_nbytes,
-                # A batch on its node: `blob` is room for it here, not it, until fetched.
-                slot=slot.ref(result.offset, result.generation) if kept is None else None,
-                node_batch=kept,
-                lease=SlotLease(
-                    functools.partial(self._slots.release, result.incarnation, result.slot),
-                    mapping=blob,
-                ),
-            ),
-        )
+    def _ran_dry(self, worker_id: int) -> None:
+        self._active[worker_id] = False
 
     def end_epoch(self) -> None:
         """Abandons what is still queued: workers skip it, and a result still in flight is

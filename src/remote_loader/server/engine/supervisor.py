@@ -20,7 +20,7 @@ from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.backend import Short, WorkerBackend, WorkerReady
 from remote_loader.server.engine.ledger import PendingTask, TaskLedger
 from remote_loader.server.engine.seam import WorkerDiedError
-from remote_loader.server.metrics import LoaderMetrics
+from remote_loader.server.telemetry.metrics import LoaderMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 #   - when its WorkerReady comes (CPUs returned: a node joined), it takes tasks again and
 #     the bound and gauge grow back, with a warning ("started again: N of M workers"). A short
 #     worker keeps trying: a start the backend gives up (Ray failed it: NOTE [ Every start
-#     ends ] in server/engine/ray/bridge.py) is a death like any other, and its replacement waits
+#     ends ] in server/engine/ray/starts.py) is a death like any other, and its replacement waits
 #     for CPUs in turn (Short at once when none are free), so the pool grows back once any
 #     of its starts lands, within seconds of a node joining (11.4 s in
 #     tests/integration/test_ray_faults.py, Ray's verdict on the lost node included). Events

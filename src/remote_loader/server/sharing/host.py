@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset
 from remote_loader.server.config.sampling import (
     Batching,
     EpochPlan,
+    LoaderWarning,
     dataloader_with_warnings,
     epoch_length,
     plan_epoch,
@@ -31,7 +32,7 @@ from remote_loader.server.engine.kept import KeptPools
 from remote_loader.server.engine.options import PoolOptions
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine
 from remote_loader.server.errors import Closing
-from remote_loader.server.metrics import DEFAULT_MAX_CONSUMERS, LoaderMetrics
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import (
     Reshard,
     ReshardError,
@@ -40,8 +41,10 @@ from remote_loader.server.sharing.elastic import (
 )
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import admit, policy_for
-from remote_loader.server.sharing.run import BorrowAbandoned, Consumer
+from remote_loader.server.sharing.run import BorrowAbandoned
 from remote_loader.server.sharing.runs import Runs
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import DEFAULT_MAX_CONSUMERS
 from remote_loader.server.worker.dataset import SharedDataset, build_dataset, share
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ class LoaderHost:
         # The server's settings its pools are made with (the same for every loader).
         self.pool_options = pool_options if pool_options is not None else PoolOptions()
         # What this loader served and where its batches waited; a server's MetricsServer
-        # shows it (server/metrics.py).
+        # shows it (server/telemetry/metrics.py).
         self.metrics = LoaderMetrics(spec.name, metrics_max_consumers)
         self.metrics.configured(spec.parts.pool.num_workers, spec.parts.pool.prefetch_factor)
         require_backend(spec)  # before the dataset: Ray missing is the cheaper thing to find
@@ -119,6 +122,8 @@ class LoaderHost:
         pool = spec.parts.pool
         workers = pool.num_workers > 0 or pool.autotune
         self.shared = share(spec, self.dataset) if workers else SharedDataset()
+        if self.shared.warning is not None:
+            self.warnings += (LoaderWarning("UserWarning", self.shared.warning),)
         self._ctx = ctx
         self._cond = threading.Condition()
         # The last pool started (for Describe): its backend, nodes and workers.

@@ -1,4 +1,5 @@
-"""The Run: one production of an epoch, on its own thread, and the Consumers that read it.
+"""The Run: one production of an epoch, on its own thread, for the Consumers that read it
+(server/sharing/consumer.py).
 
 The Run's thread is the only one that talks to the engine (worker pool or in-process loader);
 consumers (stream handlers) take entries from its lanes under its `cond`. See NOTE [ Sharing ]
@@ -20,18 +21,16 @@ from remote_loader.server.batch.delivery import Delivery
 from remote_loader.server.config.sampling import EpochPlan, batch_seed
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import POLL_INTERVAL, Engine, WorkerDiedError, WorkerInitError
-from remote_loader.server.errors import (
-    CapturedError,
-    Closing,
-    Detached,
-    LoaderBroken,
-)
-from remote_loader.server.logfmt import logfmt
-from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.errors import CapturedError
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import Reshard
-from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW, Entry, Lane
+from remote_loader.server.sharing.lanes import MIN_LANE_WINDOW, Lane
 from remote_loader.server.sharing.membership import Membership
-from remote_loader.server.sharing.policies import Policy, Seat, policy_for
+from remote_loader.server.sharing.policies import policy_for
+from remote_loader.server.sharing.policy import Policy, Seat
+from remote_loader.server.telemetry.logfmt import logfmt
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import ConsumerRow
 
 log = logging.getLogger(__name__)
 
@@ -73,111 +72,6 @@ class BorrowAbandoned(Exception):
     """The Run that waited for an engine closed meanwhile: it needs none any more."""
 
 
-class Consumer:
-    """One stream's handle on its Run: `next()` an entry, send it, `done()` with it.
-
-    What it keeps is what every sharing mode needs; what one mode keeps per consumer is its
-    policy's (`seat`, server/sharing/policies.py). `on_close(consumer, join)` is the registry's
-    (Runs._detach): `join` waits (bounded) for a Run this ends to end."""
-
-    def __init__(
-        self,
-        run: Run,
-        membership: Membership,
-        seat: Seat,
-        on_close: Callable[[Consumer, bool], None],
-    ) -> None:
-        self.run = run
-        self.membership = membership
-        self.seat = seat
-        self.metrics = run.metrics.stream(membership.job, membership.sharing, membership.rank)
-        self._taken_at = 0.0  # when next() last returned an entry (send time, for metrics)
-        # How long that next() waited for its entry (NOTE [ Stall stages ] in protos/stall.py).
-        self.waited = 0.0
-        self.errors = 0  # errors at batch positions sent (the stream's end line)
-        self._on_close = on_close
-        # Both set by the Run, under its `cond`: the Run has let go of this consumer (next()
-        # returns None), and why, if the consumer did not ask to go (next() raises it).
-        self._closed = False
-        self._detached: str | None = None
-
-    @property
-    def detached(self) -> str | None:
-        """Why the Run let go of this consumer while it still read (None: it did not)."""
-        return self._detached
-
-    def next(self, cancelled: threading.Event) -> Entry | None:
-        """The next entry to send, or None at the end of this consumer's epoch (or once
-        `cancelled` is set). Raises Detached if the Run let go of this consumer."""
-        run = self.run
-        asked = time.monotonic()
-        with run.cond:
-            run.policy.asking(self.seat)
-            while True:
-                self._raise_if_let_go()
-                if self._closed or cancelled.is_set():
-                    return None
-                entry = run.policy.take(self.seat)
-                if entry is not None:
-                    self._taken_at = time.monotonic()
-                    self.waited = self._taken_at - asked
-                    self.metrics.took(self.waited, self._taken_at - entry.made_at)
-                    return entry
-                if run.policy.finished(self.seat):
-                    return None
-                run.cond.wait(POLL_INTERVAL)
-
-    def _raise_if_let_go(self) -> None:
-        """With `cond` held: raises why this consumer gets nothing more, if it does not."""
-        run = self.run
-        if run.fatal is not None:
-            e = run.fatal
-            raise LoaderBroken(
-                f"loader {run.spec.name!r} cannot make batches: {e.type} {e.where}: "
-                f"{e.message}\nOriginal {e.traceback.rstrip()}",
-                original=e,
-            )
-        if self._detached is not None:
-            raise (Closing if run.closed_by_server else Detached)(self._detached)
-
-    def done(self, entry: Entry) -> None:
-        """This consumer has sent `entry` (or given up sending it)."""
-        run = self.run
-        self.metrics.sending(time.monotonic() - self._taken_at)
-        with run.cond:
-            run.policy.done(self.seat, entry)
-            run.cond.notify_all()
-
-    def sent(self, entry: Entry) -> None:
-        """`entry` reached the client (for metrics: batches, bytes or errors served)."""
-        if entry.error is not None:
-            self.errors += 1
-        self.metrics.sent(entry.nbytes, entry.error is not None)
-
-    def close(self) -> None:
-        """Detaches from the Run (idempotent); the last consumer out ends it, and this waits,
-        at most RUN_JOIN_TIMEOUT, for the Run's thread to give its engine back."""
-        self._on_close(self, True)
-
-    def let_go(self) -> None:
-        """Queues this consumer for its loader's reaper, which detaches it: for gRPC's
-        cancellation callback, which runs on the thread that serves every call and so must
-        not wait, not even for a lock. The stream's own `close()` in its handler does the
-        waiting."""
-        self._on_close(self, False)
-
-    def dismiss(self, why: str) -> None:
-        """The Run lets go of this consumer while it still reads (with `cond` held): its next
-        `next()` raises `why`."""
-        self._detached = why
-
-    def mark_closed(self) -> bool:
-        """The Run lets go of this consumer (with `cond` held); False if it already had, so
-        what the consumer held is settled once."""
-        first, self._closed = not self._closed, True
-        return first
-
-
 @dataclasses.dataclass(frozen=True)
 class RunKey:
     sharing: str
@@ -206,7 +100,7 @@ class Run:
         borrow: Callable[[Callable[[], bool]], AbstractContextManager[Engine]],
         *,
         iterable: bool,
-        on_close: Callable[[Consumer, bool], None],
+        on_close: Callable[[Run, Consumer, bool], None],
         start: int = 0,
         metrics: LoaderMetrics | None = None,
     ) -> None:
@@ -215,7 +109,8 @@ class Run:
         self.metrics = metrics if metrics is not None else LoaderMetrics(spec.name)
         self.plan = plan
         self._borrow = borrow
-        self._on_close = on_close  # each Consumer's (Consumer.close, Consumer.let_go)
+        # The registry's (Runs._detach): each Consumer's close and let_go, with this Run.
+        self._on_close = on_close
         self.cond = threading.Condition()
         self.consumers: list[Consumer] = []
         self.closing = False
@@ -261,10 +156,14 @@ class Run:
             seat = self.policy.join(membership, start)
             if seat is None:
                 return None
-            consumer = Consumer(self, membership, seat, self._on_close)
+            consumer = Consumer(self, membership, seat, self._close_consumer)
             self.consumers.append(consumer)
             self.cond.notify_all()
             return consumer
+
+    def _close_consumer(self, consumer: Consumer, join: bool) -> None:
+        """`consumer` closes (Consumer.close, Consumer.let_go): the registry lets it go."""
+        self._on_close(self, consumer, join)
 
     def detach(self, consumer: Consumer) -> bool:
         """Lets go of `consumer`; True when it was the last one and the Run is now closing."""

@@ -25,11 +25,13 @@ from contextlib import AbstractContextManager
 from remote_loader.server.config.sampling import EpochPlan
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.seam import Engine
-from remote_loader.server.metrics import ConsumerRow, LoaderMetrics
+from remote_loader.server.sharing.consumer import Consumer
 from remote_loader.server.sharing.elastic import Reshard
 from remote_loader.server.sharing.membership import Membership
 from remote_loader.server.sharing.policies import policy_for
-from remote_loader.server.sharing.run import Consumer, Run, RunKey
+from remote_loader.server.sharing.run import Run, RunKey
+from remote_loader.server.telemetry.metrics import LoaderMetrics
+from remote_loader.server.telemetry.series import ConsumerRow
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class Runs:
         self._lock = threading.Lock()
         self._runs: dict[RunKey, list[Run]] = {}
         # Consumers gRPC's cancellation callback let go; None stops the reaper (NOTE [ Sharing ]).
-        self._let_go: queue.SimpleQueue[Consumer | None] = queue.SimpleQueue()
+        self._let_go: queue.SimpleQueue[tuple[Run, Consumer] | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(
             target=self._reap, name=f"rl-reaper-{spec.name}", daemon=True
         )
@@ -149,21 +151,20 @@ class Runs:
                 return consumer
         return None
 
-    def _detach(self, consumer: Consumer, join: bool) -> None:
+    def _detach(self, run: Run, consumer: Consumer, join: bool) -> None:
         if not join:  # gRPC's cancellation callback: it must not wait for any lock
-            self._let_go.put(consumer)
+            self._let_go.put((run, consumer))
             return
-        self._detach_now(consumer, join)
+        self._detach_now(run, consumer, join)
 
     def _reap(self) -> None:
-        while (consumer := self._let_go.get()) is not None:
+        while (let_go := self._let_go.get()) is not None:
             try:
-                self._detach_now(consumer, join=False)
+                self._detach_now(*let_go, join=False)
             except Exception:  # the reaper must outlive any one consumer's cleanup
                 log.exception("loader %r: letting go of a cancelled stream failed", self.spec.name)
 
-    def _detach_now(self, consumer: Consumer, join: bool) -> None:
-        run = consumer.run
+    def _detach_now(self, run: Run, consumer: Consumer, join: bool) -> None:
         with self._lock:
             last = run.detach(consumer)
             if last:

@@ -1,7 +1,7 @@
 """The data listener: accepts the data connections streams announce, each with its ticket, over
 TLS when the server serves TLS, and holds each stream's connections after its end until the
-client has read them (NOTE [ TCP data connection ], NOTE [ TLS data connection ] and NOTE [ End
-of a stream ] in remote_loader.protos.tcp).
+client has read them (NOTE [ TCP data connection ] and NOTE [ TLS data connection ] in
+remote_loader.protos.tcp, NOTE [ End of a stream ] in remote_loader.protos.tcp_closing).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from remote_loader.protos import tcp
+from remote_loader.protos import tcp, tcp_closing
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class DataListener:
     and every ended stream's connections until their client closes them, so a client that
     connects and says nothing costs a socket for HANDSHAKE_TIMEOUT, not a thread; at most
     tcp.MAX_HANDSHAKES such connections are held (a new one evicts the oldest), and at most
-    tcp.MAX_CLOSING ended ones (likewise).
+    tcp_closing.MAX_CLOSING ended ones (likewise).
 
     `tls`: a server-side SSLContext (the gRPC port's certificate, key and client CA); every
     connection must speak TLS first (NOTE [ TLS data connection ]). None: plaintext.
@@ -134,7 +134,9 @@ class DataListener:
         closes each once its client has closed it, or has given no sign of life for `silence`
         seconds (NOTE [ End of a stream ])."""
         now = time.monotonic()
-        closing = [_Closing(sock, silence, now + silence, tcp.unsent(sock)) for sock in socks]
+        closing = [
+            _Closing(sock, silence, now + silence, tcp_closing.unsent(sock)) for sock in socks
+        ]
         with self._lock:
             if not self._done:
                 self._retired += closing
@@ -264,7 +266,7 @@ class DataListener:
         with self._lock:
             retired, self._retired = self._retired, []
         for each in retired:
-            if len(closing) >= tcp.MAX_CLOSING:
+            if len(closing) >= tcp_closing.MAX_CLOSING:
                 oldest = min(closing.values(), key=lambda c: c.deadline)
                 self._drop(oldest.sock, closing=closing)
             try:
@@ -282,7 +284,7 @@ class DataListener:
             each.deadline = time.monotonic() + each.silence  # a heartbeat
 
     def _look_at(self, each: _Closing, closing: dict[socket.socket, _Closing], now: float) -> None:
-        unsent = tcp.unsent(each.sock)
+        unsent = tcp_closing.unsent(each.sock)
         if unsent != each.unsent:  # the client is reading
             each.unsent = unsent
             each.deadline = now + each.silence

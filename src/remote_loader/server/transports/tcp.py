@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from remote_loader.protos import tcp, wire
+from remote_loader.protos import striping, tcp, tcp_closing, wire
 from remote_loader.server.batch.outgoing import Outgoing
 from remote_loader.server.errors import ClientSilent, DataConnectionLost
 from remote_loader.server.transports.base import DEFAULT_CLIENT_SILENCE, StreamStopped
@@ -32,7 +32,7 @@ class TcpSender:
     write all stripes but the first, until `close()`.
 
     A batch goes straight from its worker's slot into the sockets, stripe i on `socks[i]`
-    (tcp.stripes), all at once (a broadcast entry, too, for every consumer: only the kernel's
+    (striping.stripes), all at once (a broadcast entry, too, for every consumer: only the kernel's
     copy is paid per consumer)."""
 
     name = "tcp"
@@ -72,7 +72,7 @@ class TcpSender:
         # The last batch may still be in the kernel's buffers, unread: a FIN after it, never a
         # close (NOTE [ End of a stream ]).
         for sock in self.socks:
-            tcp.end_of_stream(sock)
+            tcp_closing.end_of_stream(sock)
         self._ended = True
 
     def _write(self, blob: memoryview, stopped: Callable[[], bool]) -> None:
@@ -89,13 +89,13 @@ class TcpSender:
             return failed.is_set() or stopped()
 
         # A small batch has fewer stripes than the stream has connections: the first ones.
-        stripes = tcp.stripes(len(blob), len(self.socks))
+        stripes = striping.stripes(len(blob), len(self.socks))
         tasks = [
             functools.partial(tcp.send, sock, blob[lo:hi], stop, self.client_silence)
             for sock, (lo, hi) in zip(self.socks, stripes, strict=False)
         ]
         try:
-            if not tcp.concurrently(self._pool, tasks, failed):
+            if not striping.concurrently(self._pool, tasks, failed):
                 raise StreamStopped()
         except tcp.SilentClientError as exc:
             raise ClientSilent(str(exc)) from exc

@@ -47,8 +47,9 @@ LARGE_PICKLE = 256 << 20
 #     random numbers, read files, download: workers never call it (unless the next point);
 #   - must return an object that pickles (and unpickles) to share that state. One that does
 #     not (an open file handle, a lock, a lambda) is built by each worker calling the factory
-#     itself, as before: the server logs one warning at start-up naming the pickling error,
-#     and what the factory draws at random then differs between workers (an unseeded shuffle
+#     itself, as before: the server logs one warning at start-up naming the pickling error
+#     (and hands it to trainers, a UserWarning at their `iter()` as torch's own are), and
+#     what the factory draws at random then differs between workers (an unseeded shuffle
 #     buffer loses and repeats samples across workers);
 #   - should not hand its object state that only the server process may use: the workers'
 #     copies are unpickled in other processes, perhaps on other hosts (Ray).
@@ -73,6 +74,8 @@ class SharedDataset:
     it cannot be pickled and each worker builds its own (NOTE [ One dataset per loader ])."""
 
     data: Any = None
+    # Why it could not be shared, for the trainers (LoaderInfo.warnings): None when it was.
+    warning: str | None = None
 
     def array(self) -> Any:
         """The pickle as a numpy array (None without one), for ray.put."""
@@ -117,18 +120,16 @@ def share(spec: LoaderSpec, dataset: Any) -> SharedDataset:
 
 
 def _unshared(spec: LoaderSpec, dataset: Any, exc: Exception) -> SharedDataset:
-    log.warning(
-        "loader %r: its dataset (%s) cannot be pickled (%s: %s), so it cannot be shared with "
-        "the workers: each worker builds its own from the factory, and whatever the factory "
-        "draws at random when it builds one (a shuffle seed, a split) differs between workers; "
-        "make the dataset picklable to share it (NOTE [ One dataset per loader ] in "
-        "remote_loader.server.worker.dataset)",
-        spec.name,
-        type(dataset).__qualname__,
-        type(exc).__name__,
-        exc,
+    warning = (
+        f"the dataset of loader {spec.name!r} ({type(dataset).__qualname__}) cannot be "
+        f"pickled ({type(exc).__name__}: {exc}), so it cannot be shared with the workers: "
+        "each worker builds its own from the factory, and whatever the factory draws at "
+        "random when it builds one (a shuffle seed, a split) differs between workers; make "
+        "the dataset picklable to share it (NOTE [ One dataset per loader ] in "
+        "remote_loader.server.worker.dataset)"
     )
-    return SharedDataset()
+    log.warning("%s", warning)
+    return SharedDataset(warning=warning)
 
 
 # NOTE [ Epoch hooks ]

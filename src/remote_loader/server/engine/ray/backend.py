@@ -1,12 +1,13 @@
 """The Ray pool's WorkerBackend (server/engine/backend.py): a loader's workers as Ray actors.
 
-Driven by the pool core (server/engine/pool.py) like the local pool's worker processes, through one
-bridge process (NOTE [ Ray bridge ] in server/engine/ray/bridge.py), which owns the actors:
-dispatch, the task ledger, supervision, the shortfall of a lost node (NOTE [ Capacity lost ] in
-server/engine/supervisor.py) and autotuning are the core's. This module only turns the core's
-calls into the bridge's commands (or a direct lane's messages) and the bridge's messages into
-Results, WorkerReady and Short; what goes down a direct lane and comes up it, and the nodes that
-keep batches, are server/engine/ray/direct.py's.
+Driven by the pool core (server/engine/pool.py) like the local pool's worker processes, through
+one bridge process (NOTE [ Ray bridge ] in server/engine/ray/bridge.py, run by
+server/engine/ray/bridge_process.py), which owns the actors: dispatch, the task ledger,
+supervision, the shortfall of a lost node (NOTE [ Capacity lost ] in server/engine/supervisor.py)
+and autotuning are the core's. This module only turns the core's calls into the bridge's commands
+(or a direct lane's messages) and the bridge's messages into Results, WorkerReady and Short; what
+goes down a direct lane and comes up it, and the nodes that keep batches, are
+server/engine/ray/direct.py's.
 
 NOTE [ Ray data path ]
 
@@ -61,7 +62,6 @@ KEEP_IDLE_POOL it is shut down, and the next epoch starts a new one.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -69,16 +69,15 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from remote_loader.server.batch.messages import EpochStart, Result, Task
 from remote_loader.server.config.sampling import Batching
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.backend import Event, Short, WorkerReady
 from remote_loader.server.engine.options import PoolOptions
-from remote_loader.server.engine.ray.bridge import (
-    ACTOR_START_TIMEOUT,
-    MAX_FAILED_STARTS,
+from remote_loader.server.engine.ray.bridge_process import BridgeProcess
+from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
+from remote_loader.server.engine.ray.messages import (
     ActorStarted,
     BridgeConfig,
     Kill,
@@ -87,22 +86,12 @@ from remote_loader.server.engine.ray.bridge import (
     Send,
     Shortfall,
     Spawn,
-    Started,
-    StartFailed,
-    bridge_main,
 )
-from remote_loader.server.engine.ray.direct import Attached, DirectLanes, LaneClosed
+from remote_loader.server.engine.ray.starts import MAX_FAILED_STARTS
 from remote_loader.server.engine.seam import WorkerDiedError, WorkerInitError
-from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.dataset import SharedDataset
 
 log = logging.getLogger(__name__)
-
-# How long start() waits for the bridge to connect and place its actors: ray.init to an address
-# nobody answers retries without end, and the actors' placement waits for free CPUs.
-START_TIMEOUT = ACTOR_START_TIMEOUT + 30.0
-# How long stop waits for the bridge (and, with it, the actors it owns) to go.
-BRIDGE_JOIN_TIMEOUT = 10.0
 
 
 @dataclasses.dataclass
@@ -151,9 +140,7 @@ class RayBackend:
         self.dataset = dataset
         self.nodes = 0  # nodes the actors were placed on at start
         self._ctx = ctx
-        self._bridge: multiprocessing.process.BaseProcess | None = None
-        self._commands: Any = None
-        self._results: multiprocessing.connection.Connection | None = None
+        self._bridge: BridgeProcess | None = None
         self._next_incarnation = itertools.count()
         self._placed = 0  # actors the bridge placed at start: incarnations 0..placed-1
         # Direct lanes (the server's ray_direct setting); actors of other hosts keep their
@@ -178,7 +165,8 @@ class RayBackend:
     @property
     def pids(self) -> list[int]:
         """The bridge's: the actors' processes are the cluster's."""
-        return [] if self._bridge is None or self._bridge.pid is None else [self._bridge.pid]
+        pid = None if self._bridge is None else self._bridge.pid
+        return [] if pid is None else [pid]
 
     @property
     def kept_between_epochs(self) -> bool:
@@ -218,63 +206,36 @@ class RayBackend:
     def start(self) -> None:
         """Starts the bridge, which connects and places actors 0..num_workers-1;
         WorkerInitError, naming ray_address, when that fails or takes longer than
-        START_TIMEOUT."""
-        commands_reader, self._commands = self._ctx.Pipe(duplex=False)
-        self._results, results_writer = self._ctx.Pipe(duplex=False)
+        START_TIMEOUT (server/engine/ray/bridge_process.py)."""
         if self._direct:
             self._lanes = DirectLanes(self.address, self._node_fetch, self._record, self._live)
-        cfg = BridgeConfig(
-            self.spec,
-            self.batching,
-            self.max_batch_bytes,
-            self.dataset,
-            self.address,
-            None if self._lanes is None else self._lanes.address,
-            commands_reader,
-            results_writer,
-        )
-        self._bridge = bridge = self._ctx.Process(  # type: ignore[attr-defined]
-            target=bridge_main, args=(cfg,), name=f"remote-loader-ray-{self.spec.name}"
-        )
-        bridge.start()
-        commands_reader.close()
-        results_writer.close()
-        ready = multiprocessing.connection.wait([self._results, bridge.sentinel], START_TIMEOUT)
-        problem = None
-        if self._results in ready:
-            try:
-                message = self._results.recv()
-            except (EOFError, OSError):
-                message = StartFailed("its Ray driver process exited while connecting")
-            if isinstance(message, Started):
-                self.nodes, self._attached = message.nodes, message.attached
-                self._placed = len(message.attached)
-                log.info(
-                    "loader %r: %d Ray actor(s) on %d node(s) of %s, %d on a direct lane",
-                    self.spec.name,
-                    self._placed,
-                    message.nodes,
-                    self.where,
-                    sum(message.attached),
+        lane = None if self._lanes is None else self._lanes.address
+        self._bridge = BridgeProcess(self._ctx, self.spec.name, self.where)
+        try:
+            started = self._bridge.start(
+                lambda commands, results: BridgeConfig(
+                    self.spec,
+                    self.batching,
+                    self.max_batch_bytes,
+                    self.dataset,
+                    self.address,
+                    lane,
+                    commands,
+                    results,
                 )
-                return
-            problem = message.message if isinstance(message, StartFailed) else repr(message)
-        elif not ready:
-            problem = f"no answer within {START_TIMEOUT:g} s"
-        else:
-            problem = f"its Ray driver process exited (code {bridge.exitcode})"
-        self.stop()
-        raise WorkerInitError(
-            CapturedError(
-                where="starting the loader's Ray pool",
-                type="RayUnavailable",
-                message=(
-                    f'loader {self.spec.name!r} (pool = "ray") cannot use {self.where}: '
-                    f"{problem}. Check ray_address (REMOTE_LOADER_RAY_ADDRESS, serve "
-                    "--ray-address) and that the cluster has ray_num_cpus free per worker"
-                ),
-                traceback="",
             )
+        except WorkerInitError:
+            self.stop()
+            raise
+        self.nodes, self._attached = started.nodes, started.attached
+        self._placed = len(started.attached)
+        log.info(
+            "loader %r: %d Ray actor(s) on %d node(s) of %s, %d on a direct lane",
+            self.spec.name,
+            self._placed,
+            started.nodes,
+            self.where,
+            sum(started.attached),
         )
 
     def spawn(self, worker_id: int, num_workers: int) -> int:
@@ -318,24 +279,14 @@ class RayBackend:
         """Nothing: an actor makes what it was sent, and the core drops a stale epoch's."""
 
     def receive(self, timeout: float) -> Iterator[Event]:
-        assert self._bridge is not None and self._results is not None
+        assert self._bridge is not None
         ends = {a.end.lane.conn: w for w, a in enumerate(self._actors) if a.end is not None}
-        waited: list[Any] = [self._results, self._bridge.sentinel, *ends]
-        ready = multiprocessing.connection.wait(waited, timeout)
-        if self._bridge.sentinel in ready:
-            raise self._gone()
+        ready = multiprocessing.connection.wait([*self._bridge.waitables(), *ends], timeout)
+        self._bridge.exited(ready)
         for conn, worker_id in ends.items():
             if conn in ready:
                 yield from self._from_lane(worker_id)
-        if self._results not in ready:
-            return
-        # One message at a time: one the core does not take (it returned an outcome) stays in
-        # the pipe for its next poll.
-        while self._results.poll():
-            try:
-                message = self._results.recv()
-            except (EOFError, OSError) as exc:
-                raise self._gone() from exc
+        for message in self._bridge.messages(ready):
             event = self._event(message)
             if event is not None:
                 yield event
@@ -431,33 +382,13 @@ class RayBackend:
             actor.end.close()
 
     def _command(self, message: object) -> None:
-        try:
-            self._commands.send(message)
-        except (BrokenPipeError, OSError) as exc:
-            raise self._gone() from exc
-
-    def _gone(self) -> WorkerDiedError:
-        code = None if self._bridge is None else self._bridge.exitcode
-        return WorkerDiedError(
-            f"the loader's Ray driver process exited (code {code}): {self.where} is unreachable "
-            "or ended it (check ray_address and `ray status`); the pool is replaced for the "
-            "next epoch"
-        )
+        assert self._bridge is not None
+        self._bridge.command(message)
 
     def stop(self) -> None:
         """Stops the bridge; the actors it owns end with it (Ray ties an actor to its owner)."""
-        if self._commands is not None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._commands.send(None)
-        if self._bridge is not None and self._bridge.pid is not None:
-            self._bridge.join(BRIDGE_JOIN_TIMEOUT)
-            if self._bridge.is_alive():
-                self._bridge.kill()
-                self._bridge.join(1.0)
-        for end in (self._commands, self._results):
-            if end is not None:
-                end.close()
-        self._commands = self._results = None
+        if self._bridge is not None:
+            self._bridge.stop()
         for actor in self._actors:
             if actor.end is not None:
                 actor.end.close()

@@ -11,8 +11,9 @@ worker actors, and hands each batch over as a worker process does (a Result nami
 shared-memory slot, server/worker/loop.py). If Ray ends it, the server sees a child exit, fails the
 Run with an error naming ray_address and replaces the pool at the next epoch.
 
-Protocol (one Pipe each way; RayBackend in server/engine/ray/backend.py is the other end, driven by
-the pool core of server/engine/pool.py, which decides everything a worker's life involves):
+Protocol (one Pipe each way, its messages in server/engine/ray/messages.py; RayBackend in
+server/engine/ray/backend.py is the other end, driven by the pool core of server/engine/pool.py,
+which decides everything a worker's life involves):
   server -> bridge  Send(worker_id, EpochStart | Task) | Spawn(worker_id, num_workers,
                     incarnation) | Kill(worker_id) | Retire() | None (stop)
   bridge -> server  Started(nodes, attached) once connected and actors 0..n-1 are placed
@@ -24,7 +25,8 @@ the pool core of server/engine/pool.py, which decides everything a worker's life
                     REPLACE_PATIENCE for want of CPUs, or within SLOW_START_PATIENCE at all
                     (NOTE [ Capacity lost ] in server/engine/supervisor.py), and
                     ActorStarted(worker_id, incarnation, attached) once it has (NOTE [ Every start
-                    ends ]). `attached`: the actor attached a direct lane to the server
+                    ends ] in server/engine/ray/starts.py). `attached`: the actor attached a
+                    direct lane to the server
                     (NOTE [ Ray direct lane ] in server/engine/ray/lane.py); the server sends the
                     tasks of an actor whose lane it took down the lane, never here.
 How the bridge ends with the server: NOTE [ Ray bridge lifecycle ] in server/engine/ray/connect.py.
@@ -34,51 +36,16 @@ server forgets a dead actor's slots with it, and a Result's times are re-stamped
 clock (the actor's node has its own; only the time the batch took carries over). Where a
 batch's bytes go: NOTE [ Ray data path ] in server/engine/ray/backend.py.
 
-Which task a death costs: Ray runs an actor's calls in the order they were sent, so the one it
-was making is the first of its unanswered calls. But the answers come back through Ray's
-callback threads in no set order: a batch the actor finished just before it died may be
-answered after the failures of the calls queued behind it. So Lost is said once every call of
-the dead incarnation has come back, naming the first that failed in the order sent. One case
-is left: an actor's reply is sent by Ray's threads after its call returns, and dies unsent when
-the next call ends the process at once; that batch is then charged (seen once in five runs of
-the poison-sample test). A direct lane has no such case: a result is in the kernel's socket
-buffer before the next task starts.
+Which task a death costs, and when Lost is said: server/engine/ray/calls.py.
 
 Placement: actors are created with the SPREAD strategy (one per node before two on any), so a
 lost node costs as few workers as it can, and each asks `ray_num_cpus` CPUs.
 
-NOTE [ Every start ends ]
-
-Ray may fail an actor's creation however it was placed: on a node that died before Ray
-declared it dead (Ray offers a dead node's CPUs until its health checks fail: 5 checks 3 s
-apart by default, 12.8-14.7 s measured, and the creation fails with ActorDiedError then), on
-one that dies while it starts, killed while it waited for CPUs, or its constructor raising.
-Every start a Spawn asks for ends in one answer to the server:
-
-    ActorStarted  it started (its `node` call returned): the server sends it its held tasks;
-    Lost          Ray failed it (making -1: it made nothing, so no task is charged an attempt);
-                  the server replaces it with another start and re-issues its tasks. With no
-                  CPUs free for that one, it is Short at once (checked when it is spawned, not
-                  REPLACE_PATIENCE later). MAX_FAILED_STARTS (3) of one worker's in a row fail
-                  the epoch with the last reason (WorkerDiedError; the next epoch starts a new
-                  pool) rather than start actors for ever;
-    Shortfall     neither within REPLACE_PATIENCE while the CPUs it asks are not free, or
-                  within SLOW_START_PATIENCE at all: the pool goes on without it; the start
-                  goes on, and ends later in ActorStarted (the pool grows back) or Lost
-                  (another start, and so on).
-
-Bound: every start is answered within SLOW_START_PATIENCE (30 s), and a start Ray fails as soon
-as Ray says so (a replacement placed on a killed node: 13-15 s without a batch in
-tests/test_ray_faults.py, Ray's verdict on the node). It used to be dropped ("shows in its
-first task"), but the server holds a starting actor's tasks until ActorStarted (RayBackend's
-`pending`), so none reached Ray to show it: the epoch hung, or a worker whose tasks had moved
-stayed short for good.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import signal
@@ -88,116 +55,31 @@ from concurrent.futures import Future
 from typing import Any
 
 from remote_loader.server.batch.messages import EpochStart, Result, Task
-from remote_loader.server.config.sampling import Batching
-from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine.ray.actor import RayWorker
+from remote_loader.server.engine.ray.calls import OpenCalls
 from remote_loader.server.engine.ray.connect import (
-    capacity,
     connect,
     die_with_parent,
     wait_for_capacity,
     watch_server,
 )
-from remote_loader.server.engine.ray.lane import LaneAddress
+from remote_loader.server.engine.ray.messages import (
+    ActorStarted,
+    BridgeConfig,
+    Kill,
+    Lost,
+    Retire,
+    Send,
+    Spawn,
+    Started,
+    StartFailed,
+)
+from remote_loader.server.engine.ray.starts import ActorStarts
 from remote_loader.server.errors import CapturedError
 from remote_loader.server.worker.collating import WorkerSlots
-from remote_loader.server.worker.dataset import SharedDataset
 
 # How long the bridge waits for its actors to be placed and built before it gives up.
 ACTOR_START_TIMEOUT = 120.0
-# How long a spawned actor may take to start before the bridge tells the server it is short of
-# it (Shortfall), so that its tasks go to the actors that remain.
-REPLACE_PATIENCE = 5.0
-# ... unless the cluster has the CPUs it asks free: then it is only slow to start (a loaded
-# node takes seconds to start a worker process), and the bridge waits up to this long in all,
-# since moving its tasks would have them made twice (the calls stay queued on the actor). Past
-# it, CPUs free but on no single node (fragmented) or not usable by it count as missing.
-SLOW_START_PATIENCE = 30.0
-# How many starts of one worker Ray may fail in a row (NOTE [ Every start ends ]) before the
-# pool is taken as unable to run here (a runtime_env or an actor that cannot be built on any
-# node): the epoch then fails with why, rather than starting actors for ever.
-MAX_FAILED_STARTS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class BridgeConfig:
-    spec: LoaderSpec
-    batching: Batching
-    max_batch_bytes: int
-    dataset: SharedDataset  # the loader's, pickled once (NOTE [ One dataset per loader ])
-    address: str | None  # None: start a local Ray instance
-    lane: LaneAddress | None  # where this host's actors attach (NOTE [ Ray direct lane ])
-    commands: Any  # reading end of the server's pipe
-    results: Any  # writing end of the bridge's pipe
-
-
-@dataclasses.dataclass(frozen=True)
-class Send:
-    worker_id: int
-    message: EpochStart | Task
-
-
-@dataclasses.dataclass(frozen=True)
-class Spawn:
-    """A new actor for `worker_id` (a replacement, or one more when worker_id is the count)."""
-
-    worker_id: int
-    num_workers: int
-    incarnation: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Kill:
-    """Stop the actor now (stuck past `timeout`); the server spawns its replacement."""
-
-    worker_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Retire:
-    """num_workers = "auto": the last actor goes (the server gave it no task it still holds)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Started:
-    nodes: int
-    attached: tuple[bool, ...]  # per actor (incarnations 0..n-1): it attached a lane
-
-
-@dataclasses.dataclass(frozen=True)
-class StartFailed:
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Lost:
-    worker_id: int
-    incarnation: int
-    reason: str
-    making: int  # the task whose call failed with the actor's death (-1: none)
-    # Ray failed this worker's starts so many times in a row, this one included (0: it died
-    # after it started). At MAX_FAILED_STARTS the server gives up on the pool.
-    failed_starts: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ActorStarted:
-    """A spawned actor has started (placed, its dataset built)."""
-
-    worker_id: int
-    incarnation: int
-    attached: bool  # it attached a lane (NOTE [ Ray direct lane ] in server/engine/ray/lane.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shortfall:
-    """A spawned actor has not started within REPLACE_PATIENCE (`message`: the CPUs it asks and
-    those free)."""
-
-    worker_id: int
-    incarnation: int
-    message: str
-
 
 # In the bridge's queue of finished calls, in place of a Task: an actor's start-up, and
 # REPLACE_PATIENCE passed since one was asked.
@@ -223,28 +105,25 @@ class _Bridge:
         # only; read by the main loop (a list item read is atomic).
         self.actors: list[Any] = []
         self.incarnations: list[int] = []
-        # Spawned actors not yet started, (worker id, incarnation): when each was spawned.
-        self.starting: dict[tuple[int, int], float] = {}
         # Per incarnation: its slots (server/worker/collating.py), as a worker process has its own.
         self.slots: dict[int, WorkerSlots] = {}
-        # Per incarnation: the tasks sent to it and not answered, in the order sent, each
-        # False until its call failed with the actor's death (NOTE on which task a death costs).
-        self.calls: dict[int, dict[int, bool]] = {}
-        # Incarnations that died (a call failed so, or their start did): one Lost each, once
-        # all calls came back.
-        self.dead: dict[int, str] = {}
-        # ... of them, those that never started (Ray failed their creation): making nothing;
-        # and per worker id, how many of its starts in a row Ray failed (its replacement is
-        # looked at once: `spawn`).
-        self.unstarted: set[int] = set()
-        self.failed_starts: dict[int, int] = {}
+        # Per incarnation: the tasks sent to it and not answered, and its death (calls.py).
+        self.calls = OpenCalls()
         # Finished calls, put by Ray's callback threads, taken by serve(). Bounded by the calls
         # in flight: the server keeps at most prefetch_factor * num_workers tasks out, plus
         # one start-up (and its patience timer) per actor spawned.
         self.done: queue.SimpleQueue[tuple[int, int, Task | str | None, Future[Any]]] = (
             queue.SimpleQueue()
         )
-        # Guards the slots: released by the command thread, taken by the main loop.
+        # Spawned actors not yet started, and the starts Ray failed (NOTE [ Every start ends ] in
+        # server/engine/ray/starts.py).
+        self.starts = ActorStarts(
+            ray,
+            spec.parts.pool.ray_num_cpus,
+            lambda w, incarnation: self.done.put((w, incarnation, _OVERDUE, Future())),
+        )
+        # Guards the slots and the calls: released and sent by the command thread, taken and
+        # answered by the main loop.
         self.lock = threading.Lock()
         # The dataset's pickle, put in Ray's object store once: every actor, a replacement's
         # too, is handed this reference (Ray passes an actor the object itself), not a copy.
@@ -269,7 +148,8 @@ class _Bridge:
         self.actors = [self.new_actor(w, n, w) for w in range(n)]
         self.incarnations = list(range(n))
         self.slots = {w: WorkerSlots() for w in range(n)}
-        self.calls = {w: {} for w in range(n)}
+        for w in range(n):
+            self.calls.open(w)
         placed = self.ray.get([a.node.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT)
         return Started(
             nodes=len({node for node, _ in placed}),
@@ -287,83 +167,43 @@ class _Bridge:
                 self.actors.append(actor)
                 self.incarnations.append(incarnation)
             self.slots[incarnation] = WorkerSlots()
-            self.calls[incarnation] = {}
-        self.starting[(w, incarnation)] = time.monotonic()
+            self.calls.open(incarnation)
+        self.starts.spawned(w, incarnation)
         # Placing an actor and starting its process takes seconds: the server's `timeout` for
         # its tasks counts from when it has started (ActorStarted), not from the spawn.
         actor.node.remote().future().add_done_callback(
             lambda f: self.done.put((w, incarnation, _STARTED, f))
         )
-        # The replacement of an actor Ray failed to start is looked at once: without the CPUs
-        # it asks free it is short now, not REPLACE_PATIENCE later (NOTE [ Every start ends ]).
-        self.be_patient(w, incarnation, 0.0 if self.failed_starts.get(w) else None)
-
-    def be_patient(self, worker_id: int, incarnation: int, wait: float | None = None) -> None:
-        """Looks again at a starting actor after `wait` (None: REPLACE_PATIENCE; serve:
-        `overdue`)."""
-        patience = threading.Timer(
-            REPLACE_PATIENCE if wait is None else wait,
-            lambda: self.done.put((worker_id, incarnation, _OVERDUE, Future())),
-        )
-        patience.daemon = True
-        patience.start()
-
-    def overdue(self, worker_id: int, incarnation: int) -> Shortfall | None:
-        """A starting actor's patience ran out: a Shortfall, unless it has started or only
-        seems slow (the CPUs it asks are free: NOTE on SLOW_START_PATIENCE)."""
-        spawned = self.starting.get((worker_id, incarnation))
-        if spawned is None:
-            return None  # started meanwhile
-        free, total = capacity(self.ray)
-        cpus = self.cfg.spec.parts.pool.ray_num_cpus
-        waited = time.monotonic() - spawned
-        if free + 1e-6 >= cpus and waited < SLOW_START_PATIENCE:
-            self.be_patient(worker_id, incarnation)
-            return None
-        late = (
-            f"has not started within {waited:.0f} s"
-            if waited >= 1.0
-            else "cannot start now (Ray failed to start the last one)"
-        )
-        return Shortfall(
-            worker_id,
-            incarnation,
-            f"Ray worker {worker_id}'s actor {late} (it asks ray_num_cpus={cpus:g} CPUs; "
-            f"{free:g} free of {total:g} in the cluster)",
-        )
+        self.starts.watch(w, incarnation)
 
     def forget(self, incarnation: int) -> None:
         """An actor replaced or retired: nothing of it is read again (under the lock)."""
         self.slots.pop(incarnation, None)
-        self.calls.pop(incarnation, None)
-        self.dead.pop(incarnation, None)
-        self.unstarted.discard(incarnation)
+        self.calls.forget(incarnation)
 
     def started(self, worker_id: int, incarnation: int, future: Future[Any]) -> Any:
-        """A spawned actor's start ended (NOTE [ Every start ends ]): ActorStarted, or Lost when
-        Ray failed it; None for an actor replaced meanwhile."""
-        self.starting.pop((worker_id, incarnation), None)
+        """A spawned actor's start ended (NOTE [ Every start ends ] in starts.py): ActorStarted,
+        or Lost when Ray failed it; None for an actor replaced meanwhile."""
+        self.starts.ended(worker_id, incarnation)
         if not self.current(worker_id, incarnation):
             return None
         error = future.exception()
         if error is None:
-            self.failed_starts.pop(worker_id, None)
+            self.starts.succeeded(worker_id)
             _, attached = future.result()
             return ActorStarted(worker_id, incarnation, attached)
         # Its creation failed (placed on a node that died before Ray declared it dead, killed
         # while pending, its constructor failed): the server replaces it and re-issues its
         # tasks, charging none of them (it made nothing).
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        why = (
+            f"DataLoader worker {worker_id}'s Ray actor failed to start "
+            f"({type(error).__name__}: {first})"
+        )
         with self.lock:
-            if incarnation not in self.calls:
+            if not self.calls.never_started(incarnation, why):
                 return None  # replaced meanwhile
-            self.unstarted.add(incarnation)
-            self.failed_starts[worker_id] = self.failed_starts.get(worker_id, 0) + 1
-            self.dead.setdefault(
-                incarnation,
-                f"DataLoader worker {worker_id}'s Ray actor failed to start "
-                f"({type(error).__name__}: {first})",
-            )
+            self.starts.failed_once(worker_id)
         return self.lost(worker_id, incarnation)
 
     def send(self, worker_id: int, message: EpochStart | Task) -> None:
@@ -376,7 +216,7 @@ class _Bridge:
         task = message
         with self.lock:
             self.slots[incarnation].release(task.released)
-            self.calls[incarnation][task.task_id] = False
+            self.calls.sent(incarnation, task.task_id)
         future = actor.make.remote(task.epoch_key, task.indices, task.seed).future()
         future.add_done_callback(lambda f: self.done.put((worker_id, incarnation, task, f)))
 
@@ -405,11 +245,9 @@ class _Bridge:
             }
             started = finished = 0.0
         with self.lock:
-            calls = self.calls.get(incarnation)
-            if calls is None:
+            if not self.calls.answered(incarnation, task.task_id):
                 return None  # replaced meanwhile
-            calls.pop(task.task_id, None)
-            dead = self.dead.get(incarnation)
+            dead = self.calls.death(incarnation)
         fields = self.in_slot(incarnation, fields)
         if fields is None:
             return None  # replaced meanwhile
@@ -431,30 +269,18 @@ class _Bridge:
 
     def died(self, worker_id: int, incarnation: int, task: Task, error: Exception) -> Any:
         """A call failed with its actor's death: Lost, once every call has come back."""
+        why = f"DataLoader worker {worker_id} (a Ray actor) died: {error}"
         with self.lock:
-            calls = self.calls.get(incarnation)
-            if calls is None:
+            if not self.calls.failed(incarnation, task.task_id, why):
                 return None
-            calls[task.task_id] = True  # failed (it may have been answered: see `reply`)
-            self.dead.setdefault(
-                incarnation, f"DataLoader worker {worker_id} (a Ray actor) died: {error}"
-            )
         return self.lost(worker_id, incarnation)
 
     def lost(self, worker_id: int, incarnation: int) -> Lost | None:
         """Lost for a dead incarnation whose calls have all come back, once; else None."""
         with self.lock:
-            calls = self.calls.get(incarnation)
-            if calls is None or not all(calls.values()):
-                return None
-            making = next(iter(calls), -1)  # the first that failed, in the order sent
-            failed = 0
-            if incarnation in self.unstarted:
-                making = -1  # it never started: its calls failed unmade
-                failed = self.failed_starts.get(worker_id, 1)
-            calls.clear()
-            why = self.dead.pop(incarnation)
-        return Lost(worker_id, incarnation, why, making=making, failed_starts=failed)
+            return self.calls.lost(
+                worker_id, incarnation, lambda: self.starts.failed_in_a_row(worker_id)
+            )
 
     def in_slot(self, incarnation: int, fields: dict[str, Any]) -> dict[str, Any] | None:
         """A batch's fields as the server reads them: the encoded batch (`blob`, out of Ray's
@@ -506,7 +332,7 @@ class _Bridge:
             if task is None:
                 return
             if task == _OVERDUE:
-                short = self.overdue(worker_id, incarnation)
+                short = self.starts.overdue(worker_id, incarnation)
                 if short is not None:
                     self.cfg.results.send(short)
                 continue

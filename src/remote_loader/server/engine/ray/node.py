@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from remote_loader.protos import node, tcp
+from remote_loader.protos import node, striping, tcp
 from remote_loader.protos import slots as slot_protocol
 from remote_loader.server.worker.collating import WorkerSlots
 
@@ -239,7 +239,7 @@ class NodeServer:
     def _push(self, pusher: _Pusher, slot: int, generation: int, offset: int, length: int) -> None:
         """Writes a batch to a stream's connections, a status byte before each stripe (STALE
         when the slot no longer holds it); raises OSError when the stream's trainer is gone."""
-        stripes = tcp.stripes(length, len(pusher.conns))
+        stripes = striping.stripes(length, len(pusher.conns))
         try:
             view: memoryview | None = self._slots.view(slot)
         except KeyError:

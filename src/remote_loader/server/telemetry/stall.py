@@ -16,9 +16,9 @@ Memory is then O(max_reporters * HISTORY) and each report O(1).
 
 Series: a reporter's gauges take its consumer's labels as the loader's metrics give them
 (`labels`): its own while the consumer has a series of its own, else job="other",
-rank="other" (NOTE on CONSUMER_LABELS in server/metrics.py). Reporters with the same labels
-(broadcast consumers all rank 0) show as one series: the one that waits most, as the lag gauge
-shows the one furthest behind. A reporter forgotten drops its series: they are gauges.
+rank="other" (NOTE on CONSUMER_LABELS in server/telemetry/series.py). Reporters with the same
+labels (broadcast consumers all rank 0) show as one series: the one that waits most, as the lag
+gauge shows the one furthest behind. A reporter forgotten drops its series: they are gauges.
 """
 
 from __future__ import annotations

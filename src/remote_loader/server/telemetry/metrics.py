@@ -1,22 +1,28 @@
 """Prometheus metrics: what each loader served to whom, where its batches waited, restarts.
 
 Every LoaderHost records into its own `LoaderMetrics`; a server shows its hosts' together, in the
-Prometheus text format, on an HTTP port of its own (`MetricsServer` in server/exposition.py,
-setting `metrics_address`).
+Prometheus text format, on an HTTP port of its own (`MetricsServer` in
+server/telemetry/exposition.py, setting `metrics_address`). Which consumers get series of their
+own is server/telemetry/series.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 
-from remote_loader.server.stall import OTHER_REPORTERS, StallBoard
+from remote_loader.server.telemetry.series import (
+    CONSUMER_LABELS,
+    DEFAULT_MAX_CONSUMERS,
+    ConsumerLabels,
+    ConsumerRow,
+    ConsumerSeries,
+)
+from remote_loader.server.telemetry.stall import OTHER_REPORTERS, StallBoard
 
 # Seconds, from a batch that was already waiting (1 ms) to a consumer stalled for minutes.
 BUCKETS = (
@@ -37,33 +43,8 @@ BUCKETS = (
     60.0,
     120.0,
 )
-# A consumer's series: one per (loader, job, sharing, rank) seen, kept for the server's life as
-# counters must be. Job names and ranks are the clients' to choose, so a loader gives series of
-# their own to its first `max_consumers` label sets only; a consumer past them is counted under
-# job="other", rank="other" (its sharing mode kept). The bound on a scrape: about
-# 9 * (max_consumers + 3) consumer series per loader, whatever the clients send (served, bytes,
-# errors, lag and ready; the stall and its 3 stages while a trainer reports, NOTE [ Stall
-# board ] in server/stall.py).
-CONSUMER_LABELS = ("loader", "job", "sharing", "rank")
-DEFAULT_MAX_CONSUMERS = 256
-OTHER = "other"
-# A job label longer than this is cut, and ends in a hash of the whole name so that two long
-# names sharing their start stay two series: a label line stays a few hundred bytes.
-MAX_LABEL_CHARS = 64
 # The queues a batch passes through on the server, in order (remote_loader_queue_wait_seconds).
 QUEUES = ("index", "result", "reorder", "lane")
-
-
-class ConsumerRow(NamedTuple):
-    """An attached consumer (a stream), as scrapes and the status snapshot see it."""
-
-    job: str
-    sharing: str
-    rank: int
-    lag: int  # batches behind (remote_loader_consumer_lag_batches)
-    ready: int = 0  # its batches made and not yet sent to it
-    epoch: int = 0
-    world_size: int = 1
 
 
 @dataclasses.dataclass
@@ -91,20 +72,16 @@ class LoaderMetrics:
     """
 
     def __init__(self, loader: str, max_consumers: int = DEFAULT_MAX_CONSUMERS) -> None:
-        if max_consumers < 0:
-            raise ValueError(f"max_consumers must be >= 0, got {max_consumers}")
         self.loader = loader
-        self.max_consumers = max_consumers
         # The consumer label sets with series of their own (at most max_consumers).
-        self._series: set[tuple[str, str, str]] = set()
-        self._series_lock = threading.Lock()
+        self.series = ConsumerSeries(loader, max_consumers)
         self._consumers: Callable[[], Iterable[ConsumerRow]] = list
         self.workers = 0  # remote_loader_workers now
         self._totals = Totals()
         self._totals_lock = threading.Lock()
         # The trainers' own reports of their stall (the Report RPC), within the same cap.
         self.stalls = StallBoard(
-            lambda job, sharing, rank: self._labels(job, sharing, rank, add=False),
+            lambda job, sharing, rank: self.series.labels(job, sharing, rank, add=False),
             max_consumers + OTHER_REPORTERS,
         )
         # Not registered anywhere: a server's MetricsServer collects its hosts' through collect().
@@ -292,18 +269,7 @@ class LoaderMetrics:
 
     def stream(self, job: str, sharing: str, rank: int) -> StreamMetrics:
         """The recorder of one consumer's stream."""
-        return StreamMetrics(self, self._labels(job, sharing, rank, add=True))
-
-    def _labels(self, job: str, sharing: str, rank: int, add: bool) -> tuple[str, str, str, str]:
-        """A consumer's labels: its own while the loader has room for its series (`add`: take
-        room), else job="other", rank="other"."""
-        key = (label_value(job), sharing, str(rank))
-        with self._series_lock:
-            if key not in self._series:
-                if not add or len(self._series) >= self.max_consumers:
-                    return (self.loader, OTHER, sharing, OTHER)
-                self._series.add(key)
-        return (self.loader, *key)
+        return StreamMetrics(self, self.series.labels(job, sharing, rank, add=True))
 
     def worker_timing(
         self, submitted: float, started: float, finished: float, received: float
@@ -343,56 +309,14 @@ class LoaderMetrics:
     def collect(self) -> Iterator[Metric]:
         for family in self._families:
             yield from family.collect()
-        rows = list(self._consumers())
-        consumers = GaugeMetricFamily(
-            "remote_loader_consumers",
-            "Consumers (streams) attached to the loader now.",
-            labels=("loader",),
-        )
-        consumers.add_metric((self.loader,), len(rows))
-        yield consumers
-        lag = GaugeMetricFamily(
-            "remote_loader_consumer_lag_batches",
-            "How far behind a consumer is, in batches. broadcast: behind the job's fastest "
-            "consumer; partition: its batches made and not yet sent; dynamic: the job's "
-            "batches made and not yet sent (shared by its consumers).",
-            labels=CONSUMER_LABELS,
-        )
-        ready = GaugeMetricFamily(
-            "remote_loader_consumer_ready_batches",
-            "Batches made and waiting to be sent to a consumer, ahead of it: 0 while it waits "
-            "on the workers. broadcast: the job's batches it has not read yet.",
-            labels=CONSUMER_LABELS,
-        )
-        # Consumers with the same labels (two epochs of a job overlapping, broadcast
-        # consumers all rank 0) are one series: the one furthest behind (and the one with
-        # the fewest batches ready). Consumers past max_consumers share job="other",
-        # rank="other" alike.
-        worst: dict[tuple[str, str, str, str], tuple[int, int]] = {}
-        for row in rows:
-            key = self._labels(row.job, row.sharing, row.rank, add=False)
-            behind, ahead = worst.get(key, (0, row.ready))
-            worst[key] = (max(behind, row.lag), min(ahead, row.ready))
-        for labels, (behind, ahead) in sorted(worst.items()):
-            lag.add_metric(labels, behind)
-            ready.add_metric(labels, ahead)
-        yield lag
-        yield ready
+        yield from self.series.collect(self._consumers())
         yield from self.stalls.collect()
-
-
-def label_value(text: str) -> str:
-    """`text` as a label value: itself, or cut to MAX_LABEL_CHARS ending in a hash of all of it."""
-    if len(text) <= MAX_LABEL_CHARS:
-        return text
-    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
-    return f"{text[: MAX_LABEL_CHARS - len(digest) - 1]}~{digest}"
 
 
 class StreamMetrics:
     """One consumer's recorder: its counters bound to its labels, shared histograms."""
 
-    def __init__(self, loader: LoaderMetrics, labels: tuple[str, str, str, str]) -> None:
+    def __init__(self, loader: LoaderMetrics, labels: ConsumerLabels) -> None:
         self._loader = loader
         self._batches = loader.batches_served.labels(*labels)
         self._bytes = loader.bytes_served.labels(*labels)
