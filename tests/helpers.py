@@ -508,6 +508,17 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
+def loader_metric(host: LoaderHost, name: str, **labels: str) -> float:
+    """One sample of a loader's metrics as /metrics would show it (read through the metrics'
+    public `collect()`: no metrics port needed), by its name and labels; 0 when there is none,
+    as for a counter not yet incremented."""
+    for family in host.metrics.collect():
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
 # --- Pools and their workers ----------------------------------------------------------------------
 
 

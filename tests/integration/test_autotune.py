@@ -16,7 +16,7 @@ from remote_loader.client import RemoteLoader
 from remote_loader.server.config.spec import LoaderSpec
 from remote_loader.server.engine import autotune
 from remote_loader.server.engine.pool import WorkerPool
-from tests.helpers import ServeLoaders, wait_until
+from tests.helpers import ServeLoaders, loader_metric, wait_until
 
 
 def auto_spec(name: str, **options: Any) -> LoaderSpec:
@@ -66,9 +66,14 @@ def test_the_pool_grows_while_production_lags_and_shrinks_while_the_consumer_doe
                 break
         assert wait_until(lambda: pool.num_workers == 1, 1), pool.num_workers
         assert slow == expected[: len(slow)]
-    text = served.hosts["auto"].metrics
-    assert text._worker_changes.labels("auto", "num_workers", "production")._value.get() >= 2
-    assert text._worker_changes.labels("auto", "num_workers", "consumers")._value.get() >= 2
+    host = served.hosts["auto"]
+    changes = "remote_loader_autotune_changes_total"
+    assert (
+        loader_metric(host, changes, loader="auto", setting="num_workers", reason="production") >= 2
+    )
+    assert (
+        loader_metric(host, changes, loader="auto", setting="num_workers", reason="consumers") >= 2
+    )
 
 
 @pytest.mark.timeout(120)
@@ -92,5 +97,7 @@ def test_prefetch_auto_deepens_the_queue_when_a_slow_task_idles_the_others(
     with RemoteLoader(served.address, "deep") as loader:
         assert [int(b) for b in loader] == expected  # prefetch never changes the batches
     assert pool.prefetch > 2, "workers idled at the cap: the queue per worker should deepen"
-    changes = served.hosts["deep"].metrics._worker_changes
-    assert changes.labels("deep", "prefetch_factor", "production")._value.get() >= 1
+    labels = {"loader": "deep", "setting": "prefetch_factor", "reason": "production"}
+    assert (
+        loader_metric(served.hosts["deep"], "remote_loader_autotune_changes_total", **labels) >= 1
+    )

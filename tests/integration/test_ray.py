@@ -34,6 +34,7 @@ from tests.helpers import (
     SEED,
     assert_same,
     first_error,
+    loader_metric,
     local_batches,
     start_cluster,
 )
@@ -191,7 +192,9 @@ def test_a_removed_node_costs_nothing_of_the_epoch(cluster: Cluster) -> None:
             if i == 5:
                 cluster.remove_node(doomed)
         assert got == list(range(30))  # every batch once, in order, no error
-        restarts = server.hosts["slow"].metrics.restarts._value.get()
+        restarts = loader_metric(
+            server.hosts["slow"], "remote_loader_worker_restarts_total", loader="slow"
+        )
         assert restarts >= 1  # the actor on the removed node was replaced
         assert [int(b) for b in loader] == list(range(30))  # and the next epoch runs too
 
@@ -230,8 +233,11 @@ def test_num_workers_auto_adds_actors_while_they_cannot_keep_up(
         with RemoteLoader(server.address, "fixed") as loader:
             assert got == [b.tolist() for b in loader]  # the same batches, whatever the count
         assert pool.describe()["workers"] == 2
-        changes = server.hosts["auto"].metrics._worker_changes
-        assert changes.labels("auto", "num_workers", "production")._value.get() >= 1
+        labels = {"loader": "auto", "setting": "num_workers", "reason": "production"}
+        assert (
+            loader_metric(server.hosts["auto"], "remote_loader_autotune_changes_total", **labels)
+            >= 1
+        )
 
 
 @pytest.mark.timeout(120)

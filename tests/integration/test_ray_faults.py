@@ -39,7 +39,7 @@ from remote_loader.server.engine.ray.backend import RayBackend
 from remote_loader.server.engine.ray.starts import REPLACE_PATIENCE, SLOW_START_PATIENCE
 from remote_loader.server.transports.node import NAMED_AHEAD
 from tests.datasets import Sizes, Slow
-from tests.helpers import LOOPBACK, NODE, ContainedCluster, descendants
+from tests.helpers import LOOPBACK, NODE, ContainedCluster, descendants, loader_metric
 
 REPO = Path(__file__).parent.parent
 
@@ -169,10 +169,15 @@ def test_a_pool_short_after_a_node_loss_grows_back_when_a_node_joins(
             host = server.hosts["slow"]
             pool = host.persistent_pool
             assert isinstance(pool, WorkerPool)
-            gauge = host.metrics._pool_workers.labels("slow", "ray")
+
+            def pool_workers() -> float:  # the gauge, as /metrics shows it
+                return loader_metric(
+                    host, "remote_loader_pool_workers", loader="slow", backend="ray"
+                )
+
             got, _ = epoch_losing(loader, doomed)
             assert got == torch_batches()
-            assert pool.working == 1 and gauge._value.get() == 1
+            assert pool.working == 1 and pool_workers() == 1
             cluster.add_node(**{**NODE, "num_cpus": 2})  # CPUs return
             joined = time.monotonic()
             # WorkerReady is read while an epoch polls the bridge.
@@ -180,7 +185,7 @@ def test_a_pool_short_after_a_node_loss_grows_back_when_a_node_joins(
                 assert [int(b) for b in loader] == torch_batches()
             took = time.monotonic() - joined
             assert pool.working == 2, f"still short {took:.0f} s after a node joined"
-            assert gauge._value.get() == 2
+            assert pool_workers() == 2
             # ... and the grown-back pool makes batches (the worker takes tasks again).
             assert [int(b) for b in loader] == torch_batches()
     finally:

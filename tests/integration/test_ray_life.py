@@ -39,6 +39,7 @@ from tests.helpers import (
     assert_same,
     descendants,
     first_error,
+    loader_metric,
     local_batches,
     process_alive,
     serve_process,
@@ -264,14 +265,17 @@ def _capacity_lost(cluster: Cluster) -> None:
         host = server.hosts["slow"]
         pool = host.persistent_pool
         assert isinstance(pool, WorkerPool) and host.pool_info["nodes"] == 2
-        gauge = host.metrics._pool_workers.labels("slow", "ray")
+
+        def pool_workers() -> float:  # the gauge, as /metrics shows it
+            return loader_metric(host, "remote_loader_pool_workers", loader="slow", backend="ray")
+
         got = []
         for i, batch in enumerate(loader):
             got.append(int(batch))
             if i == 5:
                 cluster.remove_node(doomed)
         assert got == expected  # every batch once, in order, though a worker was lost
-        assert gauge._value.get() == 1  # the shortfall shows
+        assert pool_workers() == 1  # the shortfall shows
         assert pool.working == 1
         cluster.add_node(**{**NODE, "num_cpus": 1})  # CPUs return
         for _ in range(10):  # the replacement starts while an epoch polls the bridge
@@ -279,7 +283,7 @@ def _capacity_lost(cluster: Cluster) -> None:
             if pool.working == 2:
                 break
         assert pool.working == 2
-        assert gauge._value.get() == 2
+        assert pool_workers() == 2
 
 
 @pytest.mark.timeout(240)
