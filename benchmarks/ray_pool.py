@@ -114,7 +114,7 @@ def compare(args: argparse.Namespace, ray_address: str) -> dict[str, Any]:
 def simulated(nodes: int, cpus: float) -> Any:
     from ray.cluster_utils import Cluster
 
-    # Keeps every Ray process of this host on 127.0.0.1 (see tests/test_ray.py).
+    # Keeps every Ray process of this host on 127.0.0.1 (see tests/helpers.py).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     node: dict[str, Any] = {"node_ip_address": LOOPBACK, "object_store_memory": 200 << 20}
     cluster = Cluster(

@@ -1,34 +1,46 @@
-"""Fixtures: real servers on port 0 (in this process, or as `remote-loader serve` processes)."""
+"""Fixtures: real servers on port 0 (in this process), and those several test modules share; hooks:
+the `unit`/`integration` mark by folder and Ray's files kept in a folder of the session's.
+
+Plain helpers (servers as processes, waits, comparisons, clusters) are in tests/helpers.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import secrets
 import shutil
-import signal
-import subprocess
+import socket
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-import numpy as np
 import pytest
-import torch
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from remote_loader.protos import loader_pb2 as pb
-from remote_loader.protos import wire
+from remote_loader.client import (
+    assembly,
+)
+from remote_loader.protos import batch_types, tcp
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
-from remote_loader.server.cli.main import spawn_serve
 from remote_loader.server.config.spec import LoaderSpec
-from remote_loader.server.sharing.host import LoaderHost
+from tests.helpers import (
+    JOB_VARIABLES,
+    PKI,
+    Served,
+    ServeLoaders,
+    StartServer,
+    issue_certificate,
+    left_in_dev_shm,
+    wait_until,
+    write_pem,
+)
 from tests.unit_guard import pytest_runtest_protocol  # noqa: F401  (the `unit` mark's guard)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -37,19 +49,6 @@ def _cache_in_tmp(
 ) -> None:
     # The demo dataset caches its images; never in the home directory during tests.
     monkeypatch.setenv("REMOTE_LOADER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
-@dataclasses.dataclass
-class Served:
-    """An in-process server: its address, its loaders (to look inside) and the server."""
-
-    address: str
-    hosts: dict[str, LoaderHost]
-    server: Server
-
-
-ServeLoaders = Callable[..., Served]
-StartServer = Callable[..., str]
 
 
 @pytest.fixture
@@ -79,80 +78,106 @@ def start_server(serve_loaders: ServeLoaders) -> StartServer:
     return start
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """This environment for a child process that imports `tests.*`: the repository first on
-    PYTHONPATH, an existing PYTHONPATH (an install made with --target) kept after it."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
+# --- Fixtures that more than one test module uses ---------------------------------------------
 
 
-def serve_process(*args: str, env: Mapping[str, str] = {}) -> tuple[subprocess.Popen[str], str]:
-    """`remote-loader serve ARGS` on port 0 as a process, `env` added to this environment;
-    returns it and its address."""
-    env = subprocess_env(**env)  # workers import tests.datasets
-    proc, port = spawn_serve(args, env=env, stderr=subprocess.PIPE)
-    return proc, f"127.0.0.1:{port}"
+@pytest.fixture
+def no_ring_left_behind() -> Iterator[None]:
+    """Fails the test if it leaves a ring or a doorbell in /dev/shm (modules of the shared-memory
+    transport use it for every test: `pytestmark = pytest.mark.usefixtures(...)`)."""
+    before = left_in_dev_shm()
+    yield
+    assert wait_until(lambda: not left_in_dev_shm() - before, 5.0), left_in_dev_shm() - before
 
 
-def stop_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """SIGTERM, then the exit code and stderr (closing the pipes)."""
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    return proc.returncode, err
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    out = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue_certificate("remote-loader test CA", ca_key, None)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = issue_certificate(
+        "localhost",
+        server_key,
+        (ca.subject, ca_key),
+        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+    )
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = issue_certificate(
+        "trainer-0", client_key, (ca.subject, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    write_pem(out / "ca.pem", ca, None)
+    write_pem(out / "server.pem", server, server_key)
+    write_pem(out / "client.pem", client, client_key)
+    return PKI(
+        out / "ca.pem",
+        out / "server.pem",
+        out / "server.key",
+        out / "client.pem",
+        out / "client.key",
+    )
 
 
-def raw_stream(address: str, request: pb.StreamRequest) -> tuple[grpc.Channel, Any]:
-    """A Stream call made by hand (no RemoteLoader): its channel, and the call of Frames."""
-    channel = grpc.insecure_channel(address)
-    call = channel.unary_stream(
-        wire.STREAM_METHOD,
-        request_serializer=pb.StreamRequest.SerializeToString,
-        response_deserializer=pb.Frame.FromString,
-    )(request)
-    return channel, call
+@pytest.fixture
+def recv_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+    """The client's sockets that data arrived on (by fileno), through tcp.recv_into."""
+    real: Callable[..., bool] = tcp.recv_into
+    used: set[int] = set()
+    lock = threading.Lock()
+
+    def spy(sock: socket.socket, out: memoryview, *args: Any) -> bool:
+        if len(out):
+            with lock:
+                used.add(sock.fileno())
+        return real(sock, out, *args)
+
+    monkeypatch.setattr(tcp, "recv_into", spy)
+    yield used
 
 
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    """Polls `condition` every 20 ms for up to `seconds`; whether it became true."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+@pytest.fixture
+def fresh_types(monkeypatch: pytest.MonkeyPatch) -> batch_types.BatchTypes:
+    """Type lookups and warnings as in a fresh process, so each test sees its own warnings."""
+    types = batch_types.BatchTypes()
+    monkeypatch.setattr(batch_types, "TYPES", types)
+    return types
 
 
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has exited; it only waits to be reaped)."""
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder of this test's own (REMOTE_LOADER_CACHE), where the session's is shared."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("REMOTE_LOADER_CACHE", str(cache))
+    return cache
 
 
-def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Exact equality of two batches: same types, dtypes, shapes and values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        )
-        assert torch.equal(a.cpu(), b.cpu()), f"{path}: values differ\n{a}\n{b}"
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, f"{path}: {b!r}"
-        np.testing.assert_array_equal(a, b, err_msg=path)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(b)} of {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+@pytest.fixture
+def job_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No job variables: each test sets its own."""
+    for name in JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The copy of a batch in striped over 3 threads, as on a host with 12 CPUs or more (NOTE
+    [ Copying a batch in ]); a pool of its own, shut down after."""
+    monkeypatch.setattr(assembly, "COPY_THREADS", 3)
+    monkeypatch.setattr(assembly, "_copy_pool", None)
+    yield
+    if assembly._copy_pool is not None:
+        assembly._copy_pool[1].shutdown()
+
+
+@pytest.fixture
+def no_token_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RemoteLoader reads REMOTE_LOADER_TOKEN when token= is not given; tests set it themselves.
+    monkeypatch.delenv("REMOTE_LOADER_TOKEN", raising=False)
+
+
+# --- Hooks: options, marks by folder, Ray's files ------------------------------------------------
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -160,7 +185,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-examples",
         type=int,
         default=None,
-        help="examples per case of tests/test_conformance.py (default 25; more to run it long)",
+        help=(
+            "examples per case of tests/integration/test_conformance.py (default 25; more to run"
+            " it long)"
+        ),
     )
 
 
@@ -181,7 +209,16 @@ class RayFiles:
 RAY_FILES = pytest.StashKey[RayFiles]()
 
 
+UNIT_DIR = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks given here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The folder is the mark: every test in tests/unit/ is `unit` (and tests/unit_guard.py holds
+    # it to that), every other one `integration`.
+    for item in items:
+        unit = item.path.is_relative_to(UNIT_DIR)
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
     # `-m unit` on the command line replaces pyproject's `-m 'not gpu'`: a test that needs CUDA
     # runs only where the marker expression names gpu (`pytest -m gpu`), never in the fast loop.
     if "gpu" in (config.option.markexpr or ""):
@@ -195,15 +232,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     examples = config.getoption("--conformance-examples")
     if examples is not None:
-        # Read when tests/test_conformance.py is imported, which is after this.
+        # Read when tests/integration/test_conformance.py is imported, which is after this.
         os.environ["REMOTE_LOADER_CONFORMANCE_EXAMPLES"] = str(examples)
     config.stash[RAY_FILES] = redirect_ray_files()
 
 
 def redirect_ray_files() -> RayFiles:
-    """Keeps the Ray instances the tests start (tests/test_ray.py's cluster, a server's local
-    instance, in this process or in `remote-loader serve` children: all inherit os.environ)
-    from leaving files behind.
+    """Keeps the Ray instances the tests start (tests/integration/test_ray.py's cluster, a
+    server's local instance, in this process or in `remote-loader serve` children: all inherit
+    os.environ) from leaving files behind.
 
     - Session folders (logs, sockets, spilled objects): Ray puts them under $RAY_TMPDIR/ray
       (else $TMPDIR, else /tmp: /tmp/ray/session_*, never removed). Here a fresh folder of

@@ -1,6 +1,6 @@
-"""Datasets and exceptions for tests/test_dropin.py, named by import path
-("tests.dropin_datasets:X"): server workers import this module, and so does the client when it
-raises a worker's exception as its own type."""
+"""Datasets and exceptions for tests/unit/test_dropin.py and tests/integration/test_dropin.py, named
+by import path ("tests.dropin_datasets:X"): server workers import this module, and so does the
+client when it raises a worker's exception as its own type."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Datasets and a sampler whose lengths are missing or broken (tests/test_lengths.py)."""
+"""Datasets and a sampler whose lengths are missing or broken (tests/unit/test_lengths.py,
+tests/integration/test_lengths.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pipelines of real training libraries, named by import path ("tests.library_datasets:X").
 
-The drop-in tests (tests/test_libraries.py) serve each from a real server and compare it batch for
-batch with torch's DataLoader over the same pipeline; worker processes import this module.
+The drop-in tests (tests/integration/test_libraries.py) serve each from a real server and compare it
+batch for batch with torch's DataLoader over the same pipeline; worker processes import this module.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A Lightning training job fed by a RemoteLoader, as a user writes one: run by
-tests/test_libraries.py as a script (Lightning's DDP launcher starts the other ranks by running
-this file again), it records what each training step received.
+tests/integration/test_libraries.py as a script (Lightning's DDP launcher starts the other ranks by
+running this file again), it records what each training step received.
 
 python tests/lightning_job.py --address HOST:PORT --out DIR [--devices 2] [--epochs 3]
     [--checkpoint-every N] [--resume CKPT]

@@ -1,18 +1,17 @@
-"""Helpers of the stall tests (test_stall.py, test_top.py, test_page.py, test_autotune_stall.py):
-pipelines made to stall or to keep up, trainers reading them in threads, and the server's
-figures read back over its real interfaces (Status RPC, /metrics)."""
+"""Helpers of the stall tests (tests/integration/test_stall.py, test_top.py, test_page.py,
+test_autotune_stall.py) and of docs/screenshots.py: pipelines made to stall or to keep up,
+trainers reading them in threads, and the server's figures read back over its Status RPC (its
+/metrics: tests/helpers.py's `scrape`)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from remote_loader.client import RemoteLoader
 from remote_loader.protos import loader_pb2 as pb
@@ -20,6 +19,7 @@ from remote_loader.protos import wire
 from remote_loader.server.api.server import Server
 from remote_loader.server.api.settings import ServerSettings
 from remote_loader.server.config.spec import LoaderSpec
+from tests.helpers import wait_for
 
 
 def stalled_spec(name: str = "stalled", **options: Any) -> LoaderSpec:
@@ -114,33 +114,6 @@ def report(address: str, request: pb.StallReport) -> pb.ReportReply:
 
 def consumers_of(snapshot: pb.ServerStatus, loader: str) -> list[pb.ConsumerStatus]:
     return [c for lo in snapshot.loaders if lo.name == loader for c in lo.consumers]
-
-
-def scrape(
-    port: int, path: str = "/metrics"
-) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Every sample of the metrics endpoint on `port`, by (name, labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def gauge(
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
-
-
-def wait_for(condition: Any, seconds: float, what: str) -> None:
-    """Polls `condition()` every 50 ms; fails naming `what` if it stays false `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
-"""The `unit` mark's promise, enforced: a test marked `unit` starts no server, no process and no
-Ray, so `python -m pytest -m unit` stays a loop of seconds. While such a test runs (its setup,
-fixtures of any scope included, its call and its teardown), every way the project starts one
-raises instead of starting it:
+"""The `unit` mark's promise, enforced: a test marked `unit` (tests/conftest.py marks every test
+in tests/unit/) starts no server, no process and no Ray, so `python -m pytest -m unit` stays a
+loop of seconds. While such a test runs (its setup, fixtures of any scope included, its call and
+its teardown), every way the project starts one raises instead of starting it:
 
 - `remote_loader.server.api.server.Server(...)` and `create_server(...)`, and `grpc.server(...)`
   beneath them (any gRPC server, a test's own included);
@@ -12,8 +12,8 @@ raises instead of starting it:
 
 A hook wrapper rather than an autouse fixture: a module- or session-scoped fixture that starts a
 server is set up before any function-scoped fixture, so a fixture would not see it; the hook
-wraps the whole setup. `tests/conftest.py` imports the hook; tests/test_unit_guard.py loads this
-module as a plugin of an inner pytest run.
+wraps the whole setup. `tests/conftest.py` imports the hook; tests/unit/test_unit_guard.py loads
+this module as a plugin of an inner pytest run.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import pytest
 
 from remote_loader.server.api import server as server_module
 
-MESSAGE = "a unit test must not start {what}; drop its `unit` mark (pytest.mark.unit)"
+MESSAGE = (
+    "a unit test must not start {what}; move it to tests/integration/ (every test in tests/unit/"
+    " is marked `unit`)"
+)
 
 
 def _refuse(what: str) -> Callable[..., Any]:

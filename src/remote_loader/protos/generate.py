@@ -1,7 +1,8 @@
 """Regenerates the message stubs in this folder from loader.proto.
 
 Run `python -m remote_loader.protos.generate` (needs the `test` extra for grpcio-tools).
-tests/test_protos.py runs the same generation into a temporary folder and fails on any difference.
+tests/unit/test_protos.py runs the same generation into a temporary folder and fails on any
+difference.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ something is wrong, not that the node is busy. The resumed stream announces the 
 a trainer that still cannot reach it never makes the server hear REACHED, so after REACH_WAIT
 its batches come through the server; the other nodes' batches keep coming from their nodes.
 Measured with a trainer cut off from one of two actors' nodes mid-epoch: one resume and about
-5 s without a batch, where it took 30.8 s (tests/test_ray_faults.py).
+5 s without a batch, where it took 30.8 s (tests/integration/test_ray_faults.py).
 
 Bounds: per stream and node, at most tcp.MAX_DATA_CONNECTIONS connections; a node's data server
 holds at most MAX_NODE_CONNECTIONS (a new one past it closes the oldest) and remembers the

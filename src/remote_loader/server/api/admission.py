@@ -8,8 +8,8 @@ its handler. A client that opens a stream and stops reading (a raw client that r
 message; a trainer whose loop paused, its receiver's queue full) leaves the server's send waiting
 for it: on gRPC flow control once the client's window and the socket buffers are full (the
 handler thread blocks inside gRPC, between two `yield`s), or for room in its ring or data
-connection. The keepalive rules (tests/test_bounds.py) end a stream whose client is gone, not
-one whose client is alive and does not read: that one would hold its place for ever.
+connection. The keepalive rules (tests/integration/test_bounds.py) end a stream whose client is
+gone, not one whose client is alive and does not read: that one would hold its place for ever.
 
 Idle: a stream is idle while its send loop has handed its client a batch the client has not
 taken. `StreamSlot.handing()` marks the start of each wait on the client: when the loop has a

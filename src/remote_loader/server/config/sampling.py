@@ -206,7 +206,7 @@ def deal(items: Sequence[Any], world_size: int, drop_last: bool) -> list[Any]:
     drop_last) == deal(items, world_size, drop_last)[r::world_size], in time linear in
     len(items) + world_size (a share() per rank walks all the items each).
 
-    DistributedSampler's rule, to which tests/test_requests.py holds it: the items repeated
+    DistributedSampler's rule, to which tests/unit/test_requests.py holds it: the items repeated
     from the start up to world_size * share_size (or cut to it, with drop_last).
     """
     total = share_size(len(items), world_size, drop_last) * world_size

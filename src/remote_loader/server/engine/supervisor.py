@@ -62,8 +62,8 @@ log = logging.getLogger(__name__)
 #     ends ] in server/engine/ray/starts.py) is a death like any other, and its replacement waits
 #     for CPUs in turn (Short at once when none are free), so the pool grows back once any
 #     of its starts lands, within seconds of a node joining (11.4 s in
-#     tests/test_ray_faults.py, Ray's verdict on the lost node included). Events are read
-#     while an epoch polls the backend: between epochs, at the next one.
+#     tests/integration/test_ray_faults.py, Ray's verdict on the lost node included). Events
+#     are read while an epoch polls the backend: between epochs, at the next one.
 # If no worker is left to take them, the tasks wait for the replacement, as before.
 # A backend says Short only when the worker truly cannot start for now (the Ray bridge: its CPUs
 # are not free in the cluster, or it has not started in SLOW_START_PATIENCE): tasks moved away

@@ -153,6 +153,13 @@ class LoaderHost:
         return len(self._loader)
 
     @property
+    def persistent_pool(self) -> Pool | None:
+        """The pool this loader keeps between epochs (persistent_workers), None until the first
+        epoch starts it or when it keeps none. Read-only: for Describe's readers and tests, which
+        watch its workers (`restarts`, `pids`); the host alone lends it to a Run."""
+        return self._persistent
+
+    @property
     def dataset_kind(self) -> str:
         return "iterable" if self.batching.is_iterable else "map"
 
