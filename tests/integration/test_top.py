@@ -81,7 +81,8 @@ def _live_top(address: str, key: bytes) -> tuple[int, str]:
     """Runs the live view under `script`'s pseudo-terminal until both trainers' lines show,
     then types `key`; its exit code and the screen text it drew."""
     if shutil.which("script") is None:
-        pytest.skip("needs util-linux `script` for a pseudo-terminal")
+        # Not a skip: util-linux's `script` is on every Debian (bsdutils, essential).
+        pytest.fail("needs util-linux `script` for a pseudo-terminal (apt-get install bsdutils)")
     # `script` runs the command through $SHELL, and dash (CI's /bin/sh) stays as its parent:
     # Ctrl-C would kill that shell, and `script` report its 130, whatever top did. `exec`
     # makes top the process `script` waits for, under any shell.

@@ -24,10 +24,10 @@ Every start a Spawn asks for ends in one answer to the server:
 
 Bound: every start is answered within SLOW_START_PATIENCE (30 s), and a start Ray fails as soon
 as Ray says so (a replacement placed on a killed node: 13-15 s without a batch in
-tests/test_ray_faults.py, Ray's verdict on the node). It used to be dropped ("shows in its
-first task"), but the server holds a starting actor's tasks until ActorStarted (RayBackend's
-`pending`), so none reached Ray to show it: the epoch hung, or a worker whose tasks had moved
-stayed short for good.
+tests/integration/test_ray_faults.py, Ray's verdict on the node). It used to be dropped
+("shows in its first task"), but the server holds a starting actor's tasks until ActorStarted
+(RayBackend's `pending`), so none reached Ray to show it: the epoch hung, or a worker whose
+tasks had moved stayed short for good.
 """
 
 from __future__ import annotations
