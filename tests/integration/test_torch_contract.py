@@ -8,6 +8,7 @@ The unit tests (no server, no process, no Ray): tests/unit/test_torch_contract.p
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from pathlib import Path
@@ -29,7 +30,16 @@ def _raised_by_torch(loader: DataLoader[Any]) -> BaseException:
     """What iterating `loader` to its end raises in this process."""
     with pytest.raises(Exception) as raised:
         list(loader)
-    return raised.value
+    error = raised.value
+    # NOTE: the traceback holds torch's iterator (its frames' `self`) in a cycle that only the
+    # cyclic GC frees: at some later allocation, on whatever thread makes it, where the
+    # iterator's __del__ then shuts its workers down, joining for seconds. In a gRPC server
+    # thread of the next test's in-process server, that held its calls past the client's
+    # connect_timeout (twice in CI). Freed here, on this thread.
+    error.__traceback__ = None
+    del raised
+    gc.collect()
+    return error
 
 
 # --- a worker's exception, named by its class ------------------------------------------------
