@@ -96,11 +96,20 @@ def test_an_epoch_resumes_exactly_on_another_world_size(
     assert {(s["epoch"], s["batches"], s["reshard"]) for s in end_states} == {(EPOCH + 1, 0, None)}
 
 
+def test_ddp_ranks_resume_from_rank_0s_state(serve_loaders: ServeLoaders) -> None:
+    # Lightning's checkpoint holds rank 0's loader state and every DDP rank loads it: a rank
+    # resumes at that position in its own share (NOTE [ Any rank's state ]).
+    served = serve_loaders(squares("sq"))
+    first, states = first_life(served.address, "sq", 3, [4, 4, 4])
+    shares, _ = second_life(served.address, "sq", 3, states[0])
+    expected = whole_epoch(served.address, "sq", 3)
+    assert [len(share) for share in shares] == [6, 6, 6]
+    assert Counter(map(key, first + [b for s in shares for b in s])) == Counter(map(key, expected))
+
+
 def test_ranks_out_of_step_resume_from_their_job_state(serve_loaders: ServeLoaders) -> None:
     served = serve_loaders(squares("sq"))
     first, states = first_life(served.address, "sq", 3, [2, 4, 0])
-    with pytest.raises(ValueError, match="rank 1 of 3, this RemoteLoader is rank 0"):
-        second_life(served.address, "sq", 3, states[1])  # not its own state, same size
     job = RemoteLoader.job_state(states)
     assert job["consumed"] == [2, 4, 0]  # 24 batches left: 12 for each of 2 ranks
     shares, _ = second_life(served.address, "sq", 2, job)

@@ -333,9 +333,9 @@ class RemoteLoader(LoaderSurface):
         With partition sharing the state may be of a job of another world size: this rank then
         receives its share of what that job had not consumed of the epoch (each new rank the
         same number of batches; a remainder as `partition_drop_last` says), and the epochs
-        after are ordinary ones. Raises ValueError for a state of another loader or consumer
-        (sharing, job; rank at the same world size) and SpecChangedError (a RequestError) when
-        the server's spec changed since (its fingerprint differs).
+        after are ordinary ones. Any rank's state will do (NOTE [ Any rank's state ]). Raises
+        ValueError for another loader's or consumer's state, and SpecChangedError when the
+        server's spec changed since (its fingerprint differs).
         """
         state_module.check(state)
         if state["loader"] != self.name:

@@ -143,15 +143,11 @@ def resume_point(
     old_world = state["world_size"]
     origin = state.get("reshard")
     if old_world == world_size:
-        if consumed is not None:
-            start = consumed[rank]
-        elif state["rank"] != rank:
-            raise ValueError(
-                f"the state is of rank {state['rank']} of {old_world}, this RemoteLoader is rank "
-                f"{rank}; each rank resumes from its own state (or from job_state(...))"
-            )
-        else:
-            start = state["batches"]
+        # NOTE [ Any rank's state ]: DDP ranks are in step, so any rank's position is every
+        # rank's, and frameworks rely on it: Lightning and accelerate checkpoint rank 0's loader
+        # state and every rank loads that one. This rank keeps its own share; ranks that were
+        # not in step pass job_state(...), which holds each rank's own count.
+        start = consumed[rank] if consumed is not None else state["batches"]
         return ResumePoint(state["seed"], state["epoch"], start, origin)
     if sharing != "partition":
         raise ValueError(
