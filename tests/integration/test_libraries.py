@@ -289,3 +289,26 @@ def test_accelerate_prepare_and_skip_first_batches(start_server: StartServer) ->
             assert "load_state_dict" in str(exc)
         else:
             assert [batch["index"].tolist() for batch in skipped] == whole[3:]
+
+
+def test_accelerate_save_state_and_load_state_resume_mid_epoch(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    import accelerate
+
+    address = start_server(_indexed_spec())
+    whole = [b for _, b in _reference(address, range(1))]
+    with RemoteLoader(address, device="cpu") as remote:
+        accelerator = accelerate.Accelerator(cpu=True)
+        loader = accelerator.prepare(remote)
+        accelerator.register_for_checkpointing(remote)
+        it = iter(loader)
+        first = [next(it)["index"].tolist() for _ in range(3)]
+        accelerator.save_state(str(tmp_path))
+    with RemoteLoader(address, device="cpu") as remote:
+        accelerator = accelerate.Accelerator(cpu=True)
+        loader = accelerator.prepare(remote)
+        accelerator.register_for_checkpointing(remote)
+        accelerator.load_state(str(tmp_path))
+        rest = [batch["index"].tolist() for batch in loader]
+    assert first + rest == whole
