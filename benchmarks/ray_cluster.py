@@ -9,6 +9,8 @@ namespace per host, each with one veth end and an address of 10.213.77.0/24:
                 from another host (benchmarks/netns.py says why)
     node1  .3   a Ray worker node, 2 CPUs
     node2  .4   another (started for the 2-node run)
+    node3  .5   a spare, joined to a running cluster by the fault rows that need a third
+                host (benchmarks/ray_fault_table.py)
 
 Every Ray process also runs in a PID namespace of its own (`unshare --pid --fork --kill-child
 --mount-proc`), as on separate hosts: the server cannot map an actor's memory through /proc, so
@@ -37,7 +39,7 @@ from benchmarks.processes import subprocess_env
 
 NETWORK = ipaddress.IPv4Network("10.213.77.0/24")
 BRIDGE = "rlhbr0"
-HOSTS = {"coord": 2, "node1": 3, "node2": 4}
+HOSTS = {"coord": 2, "node1": 3, "node2": 4, "node3": 5}
 RAY_PORT = 6379
 CONTAINED = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
 # cgroup v1's CPU controller (this machine's); each worker node gets a group under it.
@@ -147,22 +149,70 @@ def ray_command() -> list[str]:
     return [str(Path(sys.executable).parent / "ray"), "start", "--block"]
 
 
-def wait_for(what: str, check: Any, timeout: float) -> None:
+def wait_for(what: str, check: Any, timeout: float, period: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not within {timeout:g} s")
-        time.sleep(0.5)
+        time.sleep(period)
+
+
+class RayCluster:
+    """A running Ray cluster of `cluster()`: its head's address, and the worker nodes started in
+    it, which end with it."""
+
+    def __init__(
+        self, hosts: Hosts, env: dict[str, str], node_cpus: float | None, address: str
+    ) -> None:
+        self.hosts, self.env, self.node_cpus, self.address = hosts, env, node_cpus, address
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start_node(self, name: str) -> Path:
+        """`ray start` of worker node `name` (2 CPUs), in its namespace and a PID namespace of
+        its own; the file it writes its output to."""
+        own = Path(self.env["RAY_TMPDIR"]) / name
+        own.mkdir(exist_ok=True)
+        log = own / "ray-start.log"
+        self.started.append(
+            self.hosts.start(
+                name,
+                [
+                    *CONTAINED,
+                    *ray_command(),
+                    f"--address={self.address}",
+                    f"--node-ip-address={ip(name)}",
+                    "--num-cpus=2",
+                ],
+                # Unbuffered: join() reads the file while `ray start` still runs.
+                {**self.env, "PYTHONUNBUFFERED": "1"},
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
+        return log
+
+    def join(self, name: str) -> float:
+        """Worker node `name` joins the running cluster (a host added while loaders run): the
+        monotonic time at which Ray had registered it, which its `ray start` says ("Ray
+        runtime started.") once the head knows the node (ray/_private/node.py). Confined as
+        the others with `node_cpus`."""
+        log = self.start_node(name)
+        wait_for(f"{name} joining", lambda: "Ray runtime started" in log.read_text(), 120, 0.1)
+        joined = time.monotonic()
+        if self.node_cpus is not None:
+            self.hosts.confine(name, self.node_cpus)
+        return joined
 
 
 @contextlib.contextmanager
 def cluster(
     hosts: Hosts, nodes: int, env: dict[str, str], node_cpus: float | None
-) -> Iterator[str]:
+) -> Iterator[RayCluster]:
     """A Ray head in coord and `nodes` worker nodes, each in a PID namespace of its own."""
     head, port = ip("coord"), RAY_PORT + nodes  # a fresh port: the last head may be going
     quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    started = [
+    made = RayCluster(hosts, env, node_cpus, f"{head}:{port}")
+    made.started.append(
         hosts.start(
             "coord",
             [
@@ -177,7 +227,7 @@ def cluster(
             env,
             **quiet,
         )
-    ]
+    )
     status = [str(Path(sys.executable).parent / "ray"), "status", f"--address={head}:{port}"]
 
     def cpus() -> str:
@@ -187,24 +237,7 @@ def cluster(
     try:
         wait_for("the Ray head", lambda: "Resources" in cpus(), 60)
         for k in range(1, nodes + 1):
-            name = f"node{k}"
-            own = Path(env["RAY_TMPDIR"]) / name  # its `ray start` log
-            own.mkdir(exist_ok=True)
-            started.append(
-                hosts.start(
-                    name,
-                    [
-                        *CONTAINED,
-                        *ray_command(),
-                        f"--address={head}:{port}",
-                        f"--node-ip-address={ip(name)}",
-                        "--num-cpus=2",
-                    ],
-                    env,
-                    stdout=(own / "ray-start.log").open("w"),
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            log = made.start_node(f"node{k}")
             # One node at a time: started together, the second's raylet often missed the
             # 30 s its `ray start` gives it to register (six of twelve two-node starts on the
             # 2-core machine), and a node confined to half a core always did.
@@ -213,14 +246,14 @@ def cluster(
                 wait_for(f"worker node {k}", lambda joined=joined: joined in cpus(), 120)
             except RuntimeError:
                 print(f"`ray status` said:\n{cpus()}", file=sys.stderr)
-                print(f"its `ray start` said:\n{(own / 'ray-start.log').read_text()[-3000:]}")
+                print(f"its `ray start` said:\n{log.read_text()[-3000:]}")
                 raise
         if node_cpus is not None:
             # Once started: what a node does from now on runs on `node_cpus` cores.
             for k in range(1, nodes + 1):
                 hosts.confine(f"node{k}", node_cpus)
-        yield f"{head}:{port}"
+        yield made
     finally:
-        for proc in started:
+        for proc in made.started:
             proc.kill()  # --kill-child: its PID namespace goes with it
             proc.wait(30)
