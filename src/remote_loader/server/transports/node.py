@@ -15,7 +15,8 @@ and waits for the node's SERVED before naming another there: an actor's kept bat
 tasks in flight, the batches made and not yet sent, NAMED_AHEAD per stream it serves, and the
 slots released since its last task (a release rides on the next task). Measured with a free
 dataset and a slow trainer, two actors: 13-14 slots at most, where the epoch was named ahead
-(64 of its 80 batches kept at once), tests/integration/test_ray_faults.py.
+(64 of its 80 batches kept at once), tests/integration/test_ray_faults.py; four actors on
+two nodes across namespaces, 35 of the bound's 36 slots (benchmarks/ray_hosts.py --faults).
 """
 
 from __future__ import annotations
