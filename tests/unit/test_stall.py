@@ -59,6 +59,23 @@ def test_the_window_slides_and_counts_a_wait_still_going_on() -> None:
     assert window.active() and not StallWindow(clock=clock).active()
 
 
+def test_a_loop_of_thousands_of_batches_a_second_reads_true() -> None:
+    # Each wait was kept, at most 4096 of them: at 2000 batches/s the window read 409.6
+    # batches/s and a fifth of the stall (NOTE [ Coalesced waits ] in client/stall.py).
+    clock = Clock()
+    window = StallWindow(window=10.0, clock=clock)
+    for i in range(24_000):  # 12 s: a 0.25 ms wait for the workers, then 0.25 ms of training
+        start = 100.0 + i / 2000
+        window.blocked(start)
+        window.waited(start, start + 0.00025, workers=0.00025, copy=0.0)
+    clock.now = 112.0
+    figures = window.figures()
+    assert figures.batches_per_second == pytest.approx(2000, rel=0.01)
+    assert figures.wait_fraction == pytest.approx(0.5, rel=0.01)
+    assert figures.stages["workers"] == pytest.approx(0.5, rel=0.01)
+    assert figures.stage == "workers"
+
+
 def test_a_stamped_frame_parses_with_its_wait_and_its_data_intact() -> None:
     blob = memoryview(bytes(range(200)))
     first = next(wire.batch_frames(7, blob, 3, 64))
