@@ -81,3 +81,31 @@ def test_send_stops_when_asked_while_the_reader_does_not_read() -> None:
         right.close()
         with pytest.raises(OSError):
             tcp.send(left, big, lambda: False)
+
+
+def test_a_port_too_slow_to_handshake_is_told_from_one_out_of_reach() -> None:
+    # NOTE [ A slow handshake ]: only the first is worth asking again in a later epoch.
+    ticket = bytes(tcp.TICKET_BYTES)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes it, never answers
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(tcp.HandshakeTimeout, match=r"did not end within 0\.3 s"):
+            tcp.connect("127.0.0.1", port, ticket, timeout=0.3)
+        assert time.monotonic() - started < 2.0
+    with socket.create_server(("127.0.0.1", 0)) as closing:  # takes it, closes it at once
+
+        def close_one() -> None:
+            conn, _ = closing.accept()
+            conn.close()
+
+        threading.Thread(target=close_one, daemon=True).start()
+        port = closing.getsockname()[1]
+        with pytest.raises(
+            tcp.DataConnectionError, match=r"refused the data connection|reset"
+        ) as info:
+            tcp.connect("127.0.0.1", port, ticket, timeout=5.0)
+        assert not isinstance(info.value, tcp.HandshakeTimeout)
+    # Nothing listens there now: refused, which no later epoch would change.
+    with pytest.raises(tcp.DataConnectionError, match="cannot connect") as info:
+        tcp.connect("127.0.0.1", port, ticket, timeout=0.3)
+    assert not isinstance(info.value, tcp.HandshakeTimeout)

@@ -37,8 +37,10 @@ class ServerLink:
         # protos/slots.py): every epoch reads the same pool's, so each is mapped once.
         self.slot_maps = SlotMaps()
         # A data connection could not be made: later epochs do not try again (a firewall that
-        # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT).
+        # drops the connection would cost every epoch tcp.CONNECT_TIMEOUT), unless the port took
+        # it and only the handshake was too slow (NOTE [ A slow handshake ] in protos/tcp.py).
         self._no_data_connection = False
+        self._slow_handshakes = 0
         # The data connections' TLS: the channel's CA, certificate, key (NOTE [ TLS data
         # connection ] in protos/tcp.py); made once, here, so a bad file fails at once.
         self._data_tls = tls.data_context() if tls is not None else None
@@ -98,8 +100,10 @@ class ServerLink:
             stopped,
         )
 
-    def _data_connection_failed(self) -> None:
-        self._no_data_connection = True
+    def _data_connection_failed(self, again: bool) -> None:
+        self._slow_handshakes += again
+        if not again or self._slow_handshakes >= tcp.SLOW_HANDSHAKES:
+            self._no_data_connection = True
 
     def receiver(
         self, request: pb.StreamRequest, start: int, out: queue.Queue[Item], what: str

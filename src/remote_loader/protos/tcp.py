@@ -93,16 +93,14 @@ bytes (`drain`), a sign of life only, so no read can disturb a write pending in 
 end of a stream half-closes the TCP socket under TLS (no close_notify: every batch's length is
 known from its Frame, so a cut-off batch shows as one).
 
-Stripes under TLS: a plain stripe's reader takes megabytes from the kernel per recv_into call,
-but a TLS one gets one record per call, and its thread takes the GIL back after each: four
-readers on a trainer of two cores only take turns for it, and the trainer's process spent
-13.3-13.6 ms of CPU on a 9.63 MB batch where one reader spent 10.4-11.7, as much as a raw TLS
-receiver (10.5-10.9; `python benchmarks/tls_cost.py --batches 200 --epochs 1`, three runs;
-the server's side is unchanged: it hands OpenSSL a MiB per call). So a TLS client that names
-no count asks for `default_connections(tls=True)`: one per two of the CPUs it may run on, at
-most DEFAULT_DATA_CONNECTIONS (one on two or three CPUs, four from eight), the other half for
-its training loop; a plain client asks for DEFAULT_DATA_CONNECTIONS whatever its CPUs.
-
+Stripes under TLS: a plain stripe's reader takes megabytes per recv_into call, a TLS one a
+record, and its thread takes the GIL back after each: four readers on a trainer of two cores
+only take turns for it (its process spent 13.3-13.6 ms of CPU on a 9.63 MB batch, one reader
+10.4-11.7, a raw TLS receiver 10.5-10.9; `python benchmarks/tls_cost.py --batches 200
+--epochs 1`, three runs; the server hands OpenSSL a MiB per call either way). So a TLS client
+naming no count asks for `default_connections(tls=True)`: one per two of its CPUs, at most
+DEFAULT_DATA_CONNECTIONS (one on two or three CPUs, four from eight), the rest for its
+training loop; a plain client asks for DEFAULT_DATA_CONNECTIONS whatever its CPUs.
 """
 
 from __future__ import annotations
@@ -124,6 +122,11 @@ ACK = b"\x06"
 # a client that gave up has always cancelled its call before the server stops waiting.
 CONNECT_TIMEOUT = 3.0
 ACCEPT_TIMEOUT = 10.0
+# NOTE [ A slow handshake ]: a client that cannot make its data connections goes on inside
+# gRPC and stops asking (a port out of reach would cost each epoch CONNECT_TIMEOUT); but one
+# only too slow to handshake (HandshakeTimeout: 2-4 trainers starting at once on a quarter
+# core, benchmarks/headline.py) was busy then: later epochs ask again, SLOW_HANDSHAKES in all.
+SLOW_HANDSHAKES = 3
 # A connection that has not sent its HELLO this long after connecting is closed.
 HANDSHAKE_TIMEOUT = 5.0
 # At least MAX_DATA_CONNECTIONS: the connections of one stream, made at once, never evict each
@@ -143,7 +146,6 @@ POLL_INTERVAL = 0.1
 MAX_DATA_CONNECTIONS = 8
 DEFAULT_DATA_CONNECTIONS = 4  # under TLS, fewer on a client of few CPUs: default_connections
 
-
 BEAT = b"\x00"
 # The most a TLS data connection's send hands OpenSSL at once (NOTE [ TLS data connection ]).
 TLS_WRITE = 1 << 20
@@ -154,9 +156,8 @@ class SilentClientError(ConnectionError):
 
 
 def beat(sock: socket.socket) -> None:
-    """The client's heartbeat: one byte, never blocking (a full buffer already says enough)."""
-    # A full buffer (BlockingIOError) already says enough; a broken connection shows up where
-    # the client reads.
+    """The client's heartbeat: one byte, never blocking: a full buffer (BlockingIOError) already
+    says enough, and a broken connection shows up where the client reads."""
     with contextlib.suppress(OSError):
         if isinstance(sock, ssl.SSLSocket):
             # A TLS record, sent only where the buffer has room: the server reads this side's
@@ -170,6 +171,11 @@ def beat(sock: socket.socket) -> None:
 
 class DataConnectionError(ConnectionError):
     """The data connection could not be made, or broke."""
+
+
+class HandshakeTimeout(DataConnectionError):
+    """The data port took the connection, but its handshake (TLS, HELLO, ACK) did not end in
+    time: a client or server too busy at that moment, not a port out of reach."""
 
 
 def default_connections(*, tls: bool, cpus: int | None = None) -> int:
@@ -238,6 +244,7 @@ def connect(
     DataConnectionError. With `tls`, TLS first (NOTE [ TLS data connection ]), the server's
     certificate checked for `server_name` (None: `host`)."""
     deadline = time.monotonic() + timeout
+    slow = f"the handshake with {host}:{port} did not end within {timeout:g} s"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
@@ -256,6 +263,8 @@ def connect(
             ) from exc
         except (ssl.SSLError, OSError) as exc:
             sock.close()
+            if isinstance(exc, TimeoutError):
+                raise HandshakeTimeout(f"TLS: {slow}") from exc
             raise DataConnectionError(
                 f"no TLS handshake with {host}:{port}: {exc} (does that port speak TLS? a "
                 "proxy that ends TLS in front of the server offers no data connection)"
@@ -267,9 +276,15 @@ def connect(
         answer = sock.recv(1)
     except OSError as exc:
         sock.close()
+        # Past the deadline, whatever ended it was the wait: the server too closes a connection
+        # whose HELLO comes HANDSHAKE_TIMEOUT late (NOTE [ A slow handshake ]).
+        if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+            raise HandshakeTimeout(slow) from exc
         raise DataConnectionError(f"no handshake with {host}:{port}: {exc}") from exc
     if answer != ACK:
         sock.close()
+        if time.monotonic() >= deadline:
+            raise HandshakeTimeout(f"{slow} (the server closed it)")
         raise DataConnectionError(
             f"{host}:{port} refused the data connection (a stale ticket, or not a remote-loader "
             "data port)"

@@ -52,11 +52,11 @@ class Transports:
     `use_shm`: offer shared memory (where this host has /dev/shm). `tcp_host`: ask for data
     connections to this host (the gRPC target's; None: never), `data_connections` of them (None:
     tcp.default_connections; NOTE [ TCP data connection ]). `slot_maps`: the workers' slots
-    mapped so far (the loader's). `on_tcp_failed` is called when one could not be made: the
-    owner stops asking in later epochs (a firewall that drops the connection would cost every
-    epoch tcp.CONNECT_TIMEOUT). `tcp_tls`, `tcp_server_name`: a TLS client's context for its
-    data connections and the name its server's certificate carries; `tcp_required`:
-    transport="tcp", which never goes on inside gRPC (TransportError instead).
+    mapped so far (the loader's). `on_tcp_failed(again)` is called when one could not be made
+    (`again`: only its handshake was too slow): the owner decides whether later epochs ask.
+    `tcp_tls`, `tcp_server_name`: a TLS client's context for its data connections and the name
+    its server's certificate carries; `tcp_required`: transport="tcp", which never goes on
+    inside gRPC (TransportError instead).
     """
 
     def __init__(
@@ -66,7 +66,7 @@ class Transports:
         use_shm: bool,
         tcp_host: str | None,
         data_connections: int | None = None,
-        on_tcp_failed: Callable[[], None] = lambda: None,
+        on_tcp_failed: Callable[[bool], None] = lambda again: None,
         slot_maps: slot_protocol.SlotMaps | None = None,
         tcp_tls: ssl.SSLContext | None = None,
         tcp_server_name: str | None = None,
@@ -100,7 +100,7 @@ class Transports:
             self._use_shm = False
         elif unusable.transport == TcpEnd.name:
             self._tcp_host = None
-            self._on_tcp_failed()
+            self._on_tcp_failed(unusable.again)
 
     def _probe(self) -> shm_probe.Probe | None:
         if not self._use_shm:

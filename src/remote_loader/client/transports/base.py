@@ -18,13 +18,15 @@ class TransportUnusable(Exception):
     connection it cannot make): the stream is opened again from its next batch without it.
 
     One type for every transport, so the receiver falls back in one place; `transport` says
-    which to give up on ("shm", "tcp"), `instead` how the batches go on (for the log).
+    which to give up on ("shm", "tcp"), `instead` how the batches go on (for the log), `again`
+    whether it failed only at that moment (a handshake too slow), so later epochs may offer it.
     """
 
-    def __init__(self, transport: str, reason: str, instead: str) -> None:
+    def __init__(self, transport: str, reason: str, instead: str, again: bool = False) -> None:
         super().__init__(reason)
         self.transport = transport
         self.instead = instead
+        self.again = again
 
 
 class BatchReused(ConnectionLostError):

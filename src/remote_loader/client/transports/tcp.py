@@ -124,7 +124,12 @@ class TcpEnd:
                     f'{self._what}: transport="tcp", but {reason}; transport="auto" would go on '
                     "inside the gRPC stream instead"
                 ) from errors[0]
-            raise TransportUnusable(self.name, reason, "inside the gRPC stream") from errors[0]
+            # Every one taken by the port but too slow to handshake: this process (or the
+            # server) was busy, and a later epoch may well make them.
+            again = all(isinstance(each, tcp.HandshakeTimeout) for each in errors)
+            raise TransportUnusable(
+                self.name, reason, "inside the gRPC stream", again=again
+            ) from errors[0]
         self._socks = made
 
     def fill(self, meta: pb.Frame, data: memoryview, assembly: Assembly) -> bool:
