@@ -3,10 +3,11 @@ tests/integration/test_libraries.py as a script (Lightning's DDP launcher starts
 running this file again), it records what each training step received.
 
 python tests/lightning_job.py --address HOST:PORT --out DIR [--devices 2] [--epochs 3]
-    [--checkpoint-every N] [--resume CKPT]
+    [--strategy ddp|ddp_spawn|ddp_notebook] [--checkpoint-every N] [--resume CKPT]
 
-Each rank writes DIR/rank<R>.json: its (Lightning epoch, sample indices) per step and the
-RemoteLoader's rank and world size.
+Each rank writes DIR/rank<R>.json when its training ends: its (Lightning epoch, sample indices)
+per step and the RemoteLoader's rank and world size. Written from the training process itself:
+under ddp_spawn and ddp_notebook that is a process Lightning started, not this one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: `tests` must import as a package
@@ -32,8 +33,9 @@ from remote_loader.client import RemoteLoader  # noqa: E402
 class Recorder(L.LightningModule):
     """A model of one weight; each step records which samples it was given."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: str) -> None:
         super().__init__()
+        self.out = out
         self.weight = torch.nn.Parameter(torch.zeros(4))
         self.seen: list[tuple[int, list[int]]] = []
 
@@ -41,6 +43,12 @@ class Recorder(L.LightningModule):
         self.seen.append((self.current_epoch, batch["index"].tolist()))
         loss: torch.Tensor = (batch["x"] * self.weight).sum()
         return loss
+
+    def on_train_end(self) -> None:
+        # Trainer.datamodule is set by fit(); its stubs do not say so.
+        loader = cast(Any, self.trainer).datamodule.loader
+        record = {"rank": loader.rank, "world_size": loader.world_size, "seen": self.seen}
+        Path(self.out, f"rank{self.trainer.global_rank}.json").write_text(json.dumps(record))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -63,13 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="ddp", help="with --devices 2 and more")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", default=None)
     args = parser.parse_args(argv)
 
     data = RemoteData(args.address)
-    model = Recorder()
+    model = Recorder(args.out)
     callbacks: list[L.Callback] = []
     if args.checkpoint_every:
         checkpoints = os.path.join(args.out, "checkpoints")
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=args.strategy if args.devices > 1 else "auto",
         max_epochs=args.epochs,
         logger=False,
         enable_progress_bar=False,
@@ -102,12 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         num_sanity_val_steps=0,
     )
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
-    record = {
-        "rank": data.loader.rank,
-        "world_size": data.loader.world_size,
-        "seen": model.seen,
-    }
-    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
     data.loader.close()
     return 0
 

@@ -153,6 +153,35 @@ def test_the_rank_is_read_when_the_first_epoch_starts(
     assert rank_1 == [share[i : i + 4] for i in range(0, len(share), 4)]
 
 
+def test_a_pickled_loader_connects_anew_where_the_copy_runs(
+    start_server: StartServer, job_env: pytest.MonkeyPatch
+) -> None:
+    # Lightning's ddp_spawn pickles the DataModule, loader and all, to the ranks it starts: a
+    # RemoteLoader could not be pickled (NOTE [ A pickled loader ] in client/options.py).
+    address = start_server(SHUFFLED)
+    with RemoteLoader(address, device="cpu", seed=SEED + 1) as loader:
+        # Its place goes with it: a resumed epoch's position and the state's seed.
+        loader.load_state_dict({**loader.state_dict(), "seed": SEED, "epoch": 3, "batches": 2})
+        with pickle.loads(pickle.dumps(loader)) as copy:
+            assert (copy.epoch, copy.seed) == (3, SEED)
+            assert _indices(copy) == _epoch_of_torch(3)[2:]
+        job_env.setenv("WORLD_SIZE", "2")  # the launching process knows no rank ...
+        unplaced = RemoteLoader(address, device="cpu")
+    with unplaced:
+        unplaced.set_epoch(1)
+        pickled = pickle.dumps(unplaced)
+    job_env.setenv("RANK", "1")  # ... the rank it starts does
+    with pickle.loads(pickled) as copy:
+        assert (copy.rank, copy.world_size, copy.epoch) == (1, 2, 1)
+        share = _indices(copy)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Squares(N), num_replicas=2, rank=1, shuffle=True, seed=SEED
+    )
+    sampler.set_epoch(1)
+    indices = list(sampler)
+    assert share == [indices[i : i + 4] for i in range(0, len(indices), 4)]
+
+
 def test_an_initialized_process_group_gives_the_rank(
     start_server: StartServer, job_env: pytest.MonkeyPatch
 ) -> None:

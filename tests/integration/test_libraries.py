@@ -97,11 +97,16 @@ def test_lightning_epochs_are_the_loaders_epochs(start_server: StartServer, tmp_
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-def test_lightning_ddp_ranks_get_disjoint_shares(start_server: StartServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_notebook"])
+def test_lightning_ddp_ranks_get_disjoint_shares(
+    start_server: StartServer, tmp_path: Path, strategy: str
+) -> None:
     # Lightning's launcher sets WORLD_SIZE and LOCAL_RANK, not RANK, and the loader is made in
-    # the DataModule's __init__, before torch.distributed is initialized.
+    # the DataModule's __init__, before torch.distributed is initialized. ddp_spawn pickles the
+    # DataModule, loader and all, to the processes it starts (NOTE [ A pickled loader ]: it
+    # could not be pickled); ddp_notebook forks them.
     address = start_server(_indexed_spec())
-    records = _run_job(address, tmp_path, "--epochs", "2", "--devices", "2")
+    records = _run_job(address, tmp_path, "--epochs", "2", "--devices", "2", "--strategy", strategy)
     assert sorted(records) == [0, 1]
     for rank, record in records.items():
         assert (record["rank"], record["world_size"]) == (rank, 2)

@@ -81,15 +81,11 @@ class RemoteLoader(LoaderSurface):
             "none" (the default) otherwise; all consumers of a job should ask alike: each
             choice is a production of its own (docs/transports.md, "Compression").
 
-    Each iterator streams the next epoch (0, 1, 2, ...), or the one given to `set_epoch()` or
-    `sampler.set_epoch()`, taking it at its first `next()`: an iterator dropped before then
-    used no epoch (NOTE [ An iterator's epoch ] in client/epoch.py).
-
-    It has the attributes scripts read of a DataLoader (`dataset`, `sampler`, `batch_sampler`,
-    `batch_size`, `num_workers`, `drop_last`, ...), read-only and as the server's loader has
-    them; the dataset and samplers are stand-ins that say what cannot be read here
-    (client/surface.py). A batch's exception is raised as its own type, as torch raises a
-    worker's (client/reraise.py), and the server's torch warnings are given at each `iter()`.
+    Each iterator streams the next epoch (0, 1, ...), or the one `set_epoch()` or
+    `sampler.set_epoch()` gave, taken at its first `next()` (NOTE [ An iterator's epoch ]).
+    It has a DataLoader's attributes (`dataset`, `sampler`, `batch_size`, ...: surface.py),
+    raises a batch's exception as its own type (reraise.py), gives the server's torch warnings
+    at each `iter()`, and pickles as its arguments (NOTE [ A pickled loader ] in options.py).
     """
 
     def __init__(
@@ -205,10 +201,9 @@ class RemoteLoader(LoaderSurface):
         return self._cursor.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Makes the next iterator stream this epoch (later ones follow from it), whatever
-        iterators came before: one made but not yet read from takes it too (NOTE [ An
-        iterator's epoch ]). The epoch a `load_state_dict()` resumes keeps its position;
-        another starts at its beginning."""
+        """Makes the next iterator stream this epoch (later ones follow), whatever iterators
+        came before: one made but not yet read takes it too (NOTE [ An iterator's epoch ]).
+        The epoch a `load_state_dict()` resumes keeps its position; another starts at 0."""
         self._cursor.set_epoch(epoch)
 
     def _samples(self) -> int:
@@ -285,12 +280,9 @@ class RemoteLoader(LoaderSurface):
     # --- resuming ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this consumer is: JSON-serialisable, for `load_state_dict` on a new loader.
-
-        `batches` counts batches yielded to the training loop (not merely prefetched). At the end
-        of an epoch the state points at the start of the next one, as torchdata's
-        StatefulDataLoader does.
-        """
+        """Where this consumer is, as JSON, for `load_state_dict` on a new loader: `batches`
+        yielded to the training loop (not merely prefetched); at an epoch's end, the start of
+        the next one, as torchdata's StatefulDataLoader says."""
         cursor = self._cursor
         epoch, batches, reshard = cursor.epoch, cursor.start, cursor.reshard
         it = self._reading()
@@ -378,6 +370,14 @@ class RemoteLoader(LoaderSurface):
             self._iterator = None
         self._reporter.close()
         self._link.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # NOTE [ A pickled loader ] in options.py
+        given, cursor = self._options.given, self._cursor
+        return {"given": given, "loader": self.name, "cursor": cursor, "seed": self._seed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        RemoteLoader.__init__(self, loader=state["loader"], **state["given"])
+        self._cursor, self._seed = state["cursor"], state["seed"]
 
     def __enter__(self) -> RemoteLoader:
         return self

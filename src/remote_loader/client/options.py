@@ -46,6 +46,14 @@ class LoaderOptions:
     compression: str  # the codec: "lz4", "zstd", or "" for none
     tls: TLS | None
     token: str | None = dataclasses.field(default=None, repr=False)
+    # NOTE [ A pickled loader ]: the arguments as given, before anything was resolved. A
+    # RemoteLoader pickles as these, its loader's name, its cursor (the next epoch and where it
+    # starts) and its seed, and unpickles by connecting anew with them, as a DataLoader pickles
+    # as its arguments: Lightning's ddp_spawn and torch.multiprocessing.spawn hand the loader a
+    # DataModule made before them to processes of their own, where the device, the token from
+    # the environment and the rank (at the first iter()) are that process's. A stream running
+    # in the pickling process is not carried: the copy's next iterator takes the next epoch.
+    given: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class HasOptions(Protocol):
@@ -142,6 +150,7 @@ def resolve_options(
     """RemoteLoader's arguments checked (the first wrong one raises, in the order of old) and
     resolved: its LoaderOptions, and its JobRank (the rank and world size, read from the job
     until its first stream)."""
+    given = dict(locals())  # the arguments alone: nothing else is bound yet
     connect.check_address(address)
     check_options(
         sharing=sharing,
@@ -175,6 +184,7 @@ def resolve_options(
         compression=codec,
         tls=resolve_tls(tls),
         token=resolve_token(token),
+        given=given,
     )
     return options, members
 
