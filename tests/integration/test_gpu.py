@@ -7,6 +7,8 @@ these fail rather than pass vacuously).
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 from remote_loader.client import RemoteLoader
 from remote_loader.client.types import Transport
 from remote_loader.server.config.spec import LoaderSpec
-from tests.helpers import StartServer, assert_same
+from tests.helpers import StartServer, assert_same, subprocess_env
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +52,33 @@ def test_default_device_is_the_current_cuda_device(start_server: StartServer) ->
         total = (batch["x"] * 2).sum().item()
     assert batch["x"].is_cuda
     assert total == pytest.approx(2 * float(batch["x"].double().sum().item()))
+
+
+def test_the_device_is_the_current_one_at_the_first_iter(start_server: StartServer) -> None:
+    # NOTE [ The device at the first iter() ] in client/options.py: Lightning builds loaders
+    # before it sets each rank's device; made then, a loader initializes no CUDA.
+    address = start_server(MIXED)
+    made = (
+        "import torch\n"
+        "from remote_loader.client import RemoteLoader\n"
+        f"loader = RemoteLoader({address!r})\n"
+        "print(loader.device, torch.cuda.is_initialized())\n"
+        "batch = next(iter(loader))\n"
+        "print(loader.device, batch['x'].device, torch.cuda.current_device())\n"
+        "loader.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", made],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.splitlines()
+    assert before == "cuda False"
+    device, on, current = after.split()
+    assert device == on == f"cuda:{current}"
 
 
 @pytest.mark.parametrize(("transport", "way"), [("auto", "shm"), ("tcp", "tcp"), ("grpc", "grpc")])

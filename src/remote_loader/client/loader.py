@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from remote_loader.client import options as options_module
 from remote_loader.client import standins, surface
 from remote_loader.client import state as state_module
 from remote_loader.client.connect import DEFAULT_BACKOFF
@@ -51,8 +52,9 @@ class RemoteLoader(LoaderSurface):
         job: consumers with the same job name share one production of each epoch; name it
             when several jobs use one server. Default "default".
         seed: overrides the loader's seed; an epoch's batches depend only on (spec, seed, epoch).
-        device: where batches' tensors go; default the current CUDA device if there is one,
-            else the CPU. numpy arrays, strings and numbers stay on the host.
+        device: where batches' tensors go; default CUDA if there is one, else the CPU; CUDA
+            without an index: the current device at the first `iter()`. numpy arrays,
+            strings and numbers stay on the host.
         pin_memory: receive into pinned host memory before the copy to a CUDA device (no effect
             without CUDA).
         prefetch: decoded batches held ready ahead of the training loop (the receive queue's
@@ -224,10 +226,11 @@ class RemoteLoader(LoaderSurface):
             self._len_called = int(info.dataset_length)
         return length
 
-    def __iter__(self) -> EpochIterator:
+    def __iter__(self) -> EpochIterator:  # the rank and CUDA device are fixed by the first one
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
-        self._described.of(self._members.fix())  # the rank, from the job, before any stream
+        self._described.of(self._members.fix())
+        self._options = self._link.options = options_module.placed(self._options)
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
         surface.reissue_warnings(self.info, stacklevel=2)
@@ -272,8 +275,7 @@ class RemoteLoader(LoaderSurface):
         self._reporter.follow(self.name, request.consumer, epoch)
         return epoch, start, receiver
 
-    def _reading(self) -> EpochIterator | None:
-        """The iterator reading an epoch (begun and not ended), if one is."""
+    def _reading(self) -> EpochIterator | None:  # the one reading an epoch (begun, not ended)
         it = self._iterator
         return it if it is not None and it.started and not it.finished else None
 
@@ -312,15 +314,13 @@ class RemoteLoader(LoaderSurface):
 
     @staticmethod
     def job_state(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """One state for a whole partition job from its ranks' `state_dict()`s (one per rank,
-        same epoch), for ranks that were not in step when they saved them; the ranks of a job
-        of any world size then each `load_state_dict` it. DDP ranks are in step: any one
-        rank's own state does the same."""
+        """One state for a partition job from its ranks' `state_dict()`s (one per rank, same
+        epoch), when they were not in step (DDP ranks are: any one's will do); the ranks of a
+        job of any world size then each `load_state_dict` it."""
         return state_module.job_state(states)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Makes the next `iter()` continue where `state` (from `state_dict()`, or
-        `job_state()`) left off.
+        """Makes the next `iter()` continue where `state` (`state_dict()`, `job_state()`) left off.
 
         With partition sharing the state may be of a job of another world size: this rank then
         receives its share of what that job had not consumed of the epoch (each new rank the

@@ -332,18 +332,30 @@ _ARGUMENT = {"WORLD_SIZE": "world_size", "LOCAL_WORLD_SIZE": "world_size"}
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """Where batches go: `device`, with a CUDA device's index filled in; None: the current
-    CUDA device if there is one, else the CPU."""
+    """Where batches go: `device`; None: CUDA if there is one, else the CPU. A CUDA device
+    without an index keeps none until the first iter() (`placed`)."""
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise RemoteLoaderError(f"device {device!r} was asked for, but CUDA is not available")
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
     elif resolved.type != "cpu":
         raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
     return resolved
+
+
+def placed(options: LoaderOptions) -> LoaderOptions:
+    """`options` with its CUDA device's index filled in, at the first iter().
+
+    NOTE [ The device at the first iter() ]: a loader named no CUDA device's index takes the
+    current device when its first iterator is made, as torch's DataLoader pins for the current
+    device when its iterator is made, not when it is built. Lightning builds a DataModule's
+    loaders before its DDP strategy calls torch.cuda.set_device(local_rank): read at
+    construction, every rank's batches went to cuda:0 (and each rank's CUDA context with them),
+    and asking for the current device there initialized CUDA in a process that ddp_notebook
+    then forks, which CUDA refuses."""
+    device = options.device
+    if device.type != "cuda" or device.index is not None:
+        return options
+    return dataclasses.replace(options, device=torch.device("cuda", torch.cuda.current_device()))

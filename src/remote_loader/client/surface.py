@@ -113,7 +113,9 @@ class LoaderSurface:
     address = FromOptions[str]("The server, as given.")
     sharing = FromOptions[Sharing]("How the job's consumers share an epoch.")
     job = FromOptions[str]("The job's name (the server's default when none was given).")
-    device = FromOptions[torch.device]("Where batches' tensors go (a CUDA device with its index).")
+    device = FromOptions[torch.device](
+        "Where batches' tensors go (CUDA's index: the current device's at the first iter())."
+    )
     prefetch = FromOptions[int]("Decoded batches held ready ahead of the training loop.")
     connect_timeout = FromOptions[float]("Seconds one attempt waits for a silent server.")
     retries = FromOptions[int]("Resumes of a broken stream in a row before its error is raised.")
