@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.ray_cluster import Hosts, ip
 from benchmarks.workloads import Heavy, Images
+from remote_loader.server.cli.demo import SERVE_START_TIMEOUT
 
 WORKLOADS = {"images": Images, "heavy": Heavy}
 # Where a server started with `metrics=True` serves Prometheus metrics: a port of coord's own
@@ -70,7 +72,9 @@ ray_num_cpus = 1
         "coord", argv, env, own_shm=True, stdout=subprocess.PIPE, stderr=log, text=True
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # "remote-loader: serving ... on port N"
+    # Bounded: a server stuck before it listens must not hang the benchmark.
+    ready, _, _ = select.select([proc.stdout], [], [], SERVE_START_TIMEOUT)
+    line = proc.stdout.readline() if ready else ""  # "remote-loader: serving ... on port N"
     if "port" not in line:
         proc.kill()
         log.seek(0)

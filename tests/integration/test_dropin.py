@@ -53,6 +53,17 @@ def _epoch_of_torch(epoch: int, batch_size: int = 4) -> list[list[int]]:
     return [batch["index"].tolist() for batch in local]
 
 
+def _share_of_torch(rank: int, epoch: int) -> list[list[int]]:
+    """Rank `rank` of 2's batches of epoch `epoch` under torch's DistributedSampler, as the
+    server partitions SHUFFLED."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Squares(N), num_replicas=2, rank=rank, shuffle=True, seed=SEED
+    )
+    sampler.set_epoch(epoch)
+    share = list(sampler)
+    return [share[i : i + 4] for i in range(0, len(share), 4)]
+
+
 def _indices(batches: Iterable[Any]) -> list[list[int]]:
     return [batch["index"].tolist() for batch in batches]
 
@@ -145,12 +156,7 @@ def test_the_rank_is_read_when_the_first_epoch_starts(
         rank_1 = _indices(loader)
         job_env.setenv("RANK", "0")  # too late: the first iter() kept the membership
         assert loader.rank == 1 and loader.state_dict()["rank"] == 1
-    sampler: DistributedSampler[int] = DistributedSampler(
-        Squares(N), num_replicas=2, rank=1, shuffle=True, seed=SEED
-    )
-    sampler.set_epoch(0)
-    share = list(sampler)
-    assert rank_1 == [share[i : i + 4] for i in range(0, len(share), 4)]
+    assert rank_1 == _share_of_torch(1, 0)
 
 
 def test_a_pickled_loader_connects_anew_where_the_copy_runs(
@@ -173,13 +179,7 @@ def test_a_pickled_loader_connects_anew_where_the_copy_runs(
     job_env.setenv("RANK", "1")  # ... the rank it starts does
     with pickle.loads(pickled) as copy:
         assert (copy.rank, copy.world_size, copy.epoch) == (1, 2, 1)
-        share = _indices(copy)
-    sampler: DistributedSampler[int] = DistributedSampler(
-        Squares(N), num_replicas=2, rank=1, shuffle=True, seed=SEED
-    )
-    sampler.set_epoch(1)
-    indices = list(sampler)
-    assert share == [indices[i : i + 4] for i in range(0, len(indices), 4)]
+        assert _indices(copy) == _share_of_torch(1, 1)
 
 
 def test_an_initialized_process_group_gives_the_rank(

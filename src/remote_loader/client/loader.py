@@ -113,7 +113,7 @@ class RemoteLoader(LoaderSurface):
         token: str | None = None,
         tls: bool | TLS | None = None,
     ) -> None:
-        self._options, self._members = options, members = resolve_options(
+        options, members = resolve_options(
             address,
             rank=rank,
             world_size=world_size,
@@ -133,7 +133,7 @@ class RemoteLoader(LoaderSurface):
             token=token,
             tls=tls,
         )
-        self._seed = seed
+        self._members, self._seed = members, seed
         self._cursor = state_module.Cursor()
         self._iterator: EpochIterator | None = None
         # The dataset's len() when len(loader) was last asked of an IterableDataset's loader:
@@ -179,9 +179,9 @@ class RemoteLoader(LoaderSurface):
 
     @property
     def options(self) -> LoaderOptions:
-        """What was given to the constructor, checked and with its defaults resolved (the
-        read-only attributes `address`, `sharing`, `job`, `device`, ...: client/surface.py)."""
-        return self._options
+        """The constructor's arguments, checked and resolved (`address`, `device`, ...:
+        surface.py); the link's, whose CUDA device the first iter() places."""
+        return self._link.options
 
     @property
     def seed(self) -> int | None:
@@ -230,7 +230,7 @@ class RemoteLoader(LoaderSurface):
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
         self._described.of(self._members.fix())
-        self._options = self._link.options = options_module.placed(self._options)
+        self._link.options = options_module.placed(self._link.options)
         if self._iterator is not None:
             self._iterator.close()  # one stream at a time, like a DataLoader's single iterator
         surface.reissue_warnings(self.info, stacklevel=2)
@@ -245,7 +245,7 @@ class RemoteLoader(LoaderSurface):
             self._begin,
             lambda: (self._cursor.epoch, self._cursor.start),
             self.prefetch,
-            self._options.timeout,
+            self.options.timeout,
             self.__len__,
             overlength,
             self._stall,
@@ -372,7 +372,7 @@ class RemoteLoader(LoaderSurface):
         self._link.close()
 
     def __getstate__(self) -> dict[str, Any]:  # NOTE [ A pickled loader ] in options.py
-        given, cursor = self._options.given, self._cursor
+        given, cursor = self.options.given, self._cursor
         return {"given": given, "loader": self.name, "cursor": cursor, "seed": self._seed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
